@@ -1,0 +1,200 @@
+// torch_tpu PJRT runtime layer: the only code that sees the PJRT C API.
+//
+// RAII wrappers over PJRT_Api handles (plugin, client, device, buffer,
+// executable, event). Every C call goes through one helper that fills
+// struct_size, checks that the plugin provides the function, and turns a
+// PJRT_Error into a torch_tpu::pjrt::Error carrying the plugin's message.
+// No torch types appear here.
+//
+// The C API declarations come from the header shipped by the installed
+// plugin package (xla_cpu_pjrt/include/pjrt_c_api.h); the plugin's own
+// pjrt_api_version is checked against it at load time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "pjrt_c_api.h"
+
+namespace torch_tpu::pjrt {
+
+// A PJRT error (or a failure of this layer): what() carries the plugin's
+// message prefixed with the name of the C API function that failed.
+class Error : public std::runtime_error {
+ public:
+  Error(std::string message, PJRT_Error_Code code = PJRT_Error_Code_UNKNOWN)
+      : std::runtime_error(std::move(message)), code_(code) {}
+  PJRT_Error_Code code() const { return code_; }
+
+ private:
+  PJRT_Error_Code code_;
+};
+
+// A loaded plugin shared library. Load() dlopens the path, calls GetPjrtApi,
+// checks the API major version equals PJRT_API_MAJOR and calls
+// PJRT_Plugin_Initialize. Throws Error naming the path and dlerror()/reason.
+class Plugin {
+ public:
+  static std::shared_ptr<Plugin> Load(const std::string& path);
+  ~Plugin();  // never dlcloses (plugins do not support unloading)
+  const PJRT_Api* api() const { return api_; }
+  const std::string& path() const { return path_; }
+  int api_major() const;
+  int api_minor() const;
+
+ private:
+  Plugin() = default;
+  const PJRT_Api* api_ = nullptr;
+  void* handle_ = nullptr;
+  std::string path_;
+};
+
+class Event;
+class Buffer;
+class Executable;
+class Client;
+
+// Owns a PJRT_Event. Await() blocks; a failed event throws Error.
+class Event {
+ public:
+  Event(std::shared_ptr<Plugin> plugin, PJRT_Event* event);
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  void Await();          // throws Error if the event completed with an error
+  bool IsReady() const;
+
+ private:
+  std::shared_ptr<Plugin> plugin_;
+  PJRT_Event* event_;
+};
+
+// A non-owning view of a device of the client (devices live as long as the
+// client).
+struct Device {
+  PJRT_Device* handle = nullptr;
+  int id = 0;
+  int local_hardware_id = 0;
+  std::string kind;         // PJRT_DeviceDescription_Kind, e.g. "cpu"
+  std::string debug_string;
+};
+
+// Bytes in use/limit as reported by PJRT_Device_MemoryStats; nullopt where
+// the plugin does not implement it.
+struct MemoryStats {
+  int64_t bytes_in_use = 0;
+  std::optional<int64_t> peak_bytes_in_use;
+  std::optional<int64_t> bytes_limit;
+};
+
+// Owns a PJRT_Buffer (destroyed in the destructor).
+class Buffer {
+ public:
+  Buffer(std::shared_ptr<Plugin> plugin, PJRT_Buffer* buffer);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  PJRT_Buffer* handle() const { return buffer_; }
+  PJRT_Buffer_Type element_type() const;
+  std::vector<int64_t> dimensions() const;
+  size_t on_device_size_in_bytes() const;
+
+  // Copies the whole buffer (dense, row-major) into dst, which must hold
+  // exactly nbytes; blocks until the copy is done (and so until the
+  // computation producing this buffer is done). Throws Error with the
+  // plugin's message if the producing computation failed.
+  void ToHost(void* dst, size_t nbytes) const;
+  // Event that becomes ready when the buffer's data is ready (or failed).
+  std::unique_ptr<Event> ReadyEvent() const;
+
+ private:
+  std::shared_ptr<Plugin> plugin_;
+  PJRT_Buffer* buffer_;
+};
+
+// Serialized xla.CompileOptionsProto, built without protobuf.
+struct CompileOptions {
+  int num_replicas = 1;
+  int num_partitions = 1;
+  // XLA flags set through CompileOptionsProto.env_option_overrides, e.g.
+  // {"xla_cpu_enable_fast_min_max", "false"}. Values are sent as strings
+  // unless they are "true"/"false" (bool) .
+  std::vector<std::pair<std::string, std::string>> env_option_overrides;
+  std::string Serialize() const;
+};
+
+// A compiled, loaded executable (PJRT_LoadedExecutable) on one device.
+class Executable {
+ public:
+  Executable(std::shared_ptr<Plugin> plugin, PJRT_LoadedExecutable* exe);
+  ~Executable();
+  Executable(const Executable&) = delete;
+  Executable& operator=(const Executable&) = delete;
+
+  size_t num_outputs() const;
+  // Runs on `device` (one replica, one partition) asynchronously: returns
+  // the output buffers at once; they become ready later. `donated` lists
+  // argument indices whose buffers may be donated (consumed) by the
+  // execution; all others are marked non-donatable. If `complete` is
+  // non-null it receives the device-complete event.
+  std::vector<std::unique_ptr<Buffer>> Execute(
+      std::span<Buffer* const> arguments, const Device& device,
+      std::span<const int64_t> donated = {},
+      std::unique_ptr<Event>* complete = nullptr);
+  // Serialized executable (PJRT_Executable_Serialize) for the on-disk cache.
+  std::string Serialize() const;
+
+ private:
+  std::shared_ptr<Plugin> plugin_;
+  PJRT_LoadedExecutable* exe_;
+  PJRT_Executable* executable_ = nullptr;  // from GetExecutable, owned
+  size_t num_outputs_ = 0;
+};
+
+// Owns a PJRT_Client.
+class Client {
+ public:
+  static std::shared_ptr<Client> Create(std::shared_ptr<Plugin> plugin);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const std::shared_ptr<Plugin>& plugin() const { return plugin_; }
+  PJRT_Client* handle() const { return client_; }
+  std::string platform_name() const;     // e.g. "cpu"
+  std::string platform_version() const;
+  const std::vector<Device>& addressable_devices() const { return devices_; }
+  std::optional<MemoryStats> memory_stats(const Device& device) const;
+
+  // Compiles StableHLO/MLIR text (program format "mlir"). Throws Error with
+  // the plugin's diagnostic on failure.
+  std::unique_ptr<Executable> Compile(std::string_view mlir_text,
+                                      const CompileOptions& options);
+  std::unique_ptr<Executable> DeserializeAndLoad(std::string_view serialized);
+
+  // Copies dense row-major host data to a new device buffer; the host data
+  // may be freed when this returns.
+  std::unique_ptr<Buffer> BufferFromHost(const void* data,
+                                         PJRT_Buffer_Type type,
+                                         std::span<const int64_t> dims,
+                                         const Device& device);
+
+ private:
+  Client() = default;
+  std::shared_ptr<Plugin> plugin_;
+  PJRT_Client* client_ = nullptr;
+  std::vector<Device> devices_;
+};
+
+// Size in bytes of one element of `type` (PJRT_Buffer_Type); throws for
+// types without a fixed byte size.
+size_t ElementSizeInBytes(PJRT_Buffer_Type type);
+
+}  // namespace torch_tpu::pjrt
