@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "pjrt_c_api.h"
@@ -47,6 +48,10 @@ class Plugin {
   const std::string& path() const { return path_; }
   int api_major() const;
   int api_minor() const;
+  // PJRT_Plugin_Attributes as (name, value rendered as text), e.g.
+  // ("xla_version", "2"), ("stablehlo_current_version", "1,9,3"); empty where
+  // the plugin does not implement it. Useful in on-disk cache keys.
+  std::vector<std::pair<std::string, std::string>> attributes() const;
 
  private:
   Plugin() = default;
@@ -111,10 +116,14 @@ class Buffer {
   // computation producing this buffer is done). Throws Error with the
   // plugin's message if the producing computation failed.
   void ToHost(void* dst, size_t nbytes) const;
+  // ToHost always through PJRT_Buffer_ToHostBuffer, without the direct copy
+  // that ToHost makes from buffers the plugin reports on the CPU.
+  void ToHostViaPlugin(void* dst, size_t nbytes) const;
   // Event that becomes ready when the buffer's data is ready (or failed).
   std::unique_ptr<Event> ReadyEvent() const;
 
  private:
+  bool ToHostDirect(void* dst, size_t nbytes) const;
   std::shared_ptr<Plugin> plugin_;
   PJRT_Buffer* buffer_;
 };
@@ -123,6 +132,11 @@ class Buffer {
 struct CompileOptions {
   int num_replicas = 1;
   int num_partitions = 1;
+  // CompileOptionsProto.compile_portable_executable: build an executable that
+  // is not bound to a device, so that Execute may run it on any addressable
+  // device (a non-portable one runs only on the device it was compiled for,
+  // addressable_devices()[0]). Requires num_replicas == num_partitions == 1.
+  bool portable = false;
   // XLA flags set through CompileOptionsProto.env_option_overrides, e.g.
   // {"xla_cpu_enable_fast_min_max", "false"}. Values are sent as strings
   // unless they are "true"/"false" (bool) .

@@ -1,0 +1,86 @@
+// The tpu random generator: a seed and an offset (like CUDA's Philox
+// generator). Each random op reads (seed, offset) as the key and counter of
+// its THREE_FRY state and advances the offset by the number of values it
+// draws, so torch.manual_seed(s) makes tpu random ops reproducible.
+#include <ATen/core/GeneratorForPrivateuseone.h>
+#include <ATen/Utils.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/GeneratorImpl.h>
+#include <c10/core/TensorImpl.h>
+
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "aten/tpu.h"
+
+namespace torch_tpu::aten {
+namespace {
+
+constexpr uint64_t kDefaultSeed = 67280421310721ULL;  // CUDA's default seed
+
+struct TpuGeneratorImpl final : c10::GeneratorImpl {
+  explicit TpuGeneratorImpl(c10::DeviceIndex index)
+      : c10::GeneratorImpl(c10::Device(kTpu, index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)) {}
+
+  void set_current_seed(uint64_t seed) override {
+    seed_ = seed;
+    offset_ = 0;
+  }
+  uint64_t current_seed() const override { return seed_; }
+  uint64_t seed() override {
+    set_current_seed(c10::detail::getNonDeterministicRandom(true));
+    return seed_;
+  }
+  void set_offset(uint64_t offset) override { offset_ = offset; }
+  uint64_t get_offset() const override { return offset_; }
+
+  // State: 16 bytes, seed then offset (uint8 CPU tensor, as CUDA's).
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    auto state = at::empty({16}, at::TensorOptions().dtype(at::kByte));
+    uint64_t v[2] = {seed_, offset_};
+    std::memcpy(state.data_ptr(), v, sizeof(v));
+    return state.getIntrusivePtr();
+  }
+  void set_state(const c10::TensorImpl& new_state) override {
+    TORCH_CHECK(new_state.numel() == 16 && new_state.dtype() == caffe2::TypeMeta::Make<uint8_t>(),
+                "tpu RNG state must be a uint8 tensor of 16 bytes, got ", new_state.numel(), " elements");
+    uint64_t v[2];
+    std::memcpy(v, new_state.data(), sizeof(v));
+    seed_ = v[0];
+    offset_ = v[1];
+  }
+  static c10::DeviceType device_type() { return kTpu; }
+
+ private:
+  TpuGeneratorImpl* clone_impl() const override {
+    auto* g = new TpuGeneratorImpl(device().index());
+    g->seed_ = seed_;
+    g->offset_ = offset_;
+    return g;
+  }
+  uint64_t seed_ = kDefaultSeed;
+  uint64_t offset_ = 0;
+};
+
+}  // namespace
+
+const at::Generator& DefaultGenerator(c10::DeviceIndex index) {
+  static std::once_flag once;
+  static std::vector<at::Generator> generators;
+  std::call_once(once, [] {
+    c10::DeviceIndex n = std::max<c10::DeviceIndex>(DeviceCount(), 1);
+    for (c10::DeviceIndex i = 0; i < n; ++i) generators.push_back(at::make_generator<TpuGeneratorImpl>(i));
+  });
+  if (index < 0) index = CurrentDevice();
+  TORCH_CHECK(index < static_cast<c10::DeviceIndex>(generators.size()), "tpu device index ",
+              static_cast<int>(index), " out of range");
+  return generators[static_cast<size_t>(index)];
+}
+
+at::Generator NewGenerator(c10::DeviceIndex index) {
+  return at::make_generator<TpuGeneratorImpl>(index < 0 ? CurrentDevice() : index);
+}
+
+}  // namespace torch_tpu::aten

@@ -1,0 +1,223 @@
+// Kernels registered directly for the tpu (PrivateUse1) dispatch key: what
+// is not a lowering. Allocation (empty), views (metadata only, sharing the
+// storage), resize/set_, copies between host and device, reading a scalar,
+// and the attention backend choice. Every other op reaches fallback.cpp.
+#include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/InferSize.h>
+#include <ATen/native/Resize.h>
+#include <ATen/native/transformers/sdp_utils_cpp.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/view_native.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "aten/tpu.h"
+#include "lowering/lowering.h"
+#include "runtime/compiled_op.h"
+#include "runtime/executor.h"
+
+namespace torch_tpu::aten {
+namespace {
+
+using runtime::Runtime;
+using runtime::StorageOf;
+
+c10::DispatchKeySet TpuKeys() { return c10::DispatchKeySet(c10::DispatchKey::PrivateUse1); }
+
+at::Tensor Empty(c10::IntArrayRef size, std::optional<at::ScalarType> dtype, std::optional<at::Layout> layout,
+                 std::optional<at::Device> device, std::optional<bool> pin_memory,
+                 std::optional<at::MemoryFormat> memory_format) {
+  TORCH_CHECK(!layout || *layout == at::kStrided, "tpu tensors must be strided, got layout ", *layout);
+  c10::OptionalDeviceGuard guard(device);
+  return at::detail::empty_generic(size, TpuAllocator(), TpuKeys(), c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor EmptyStrided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<at::ScalarType> dtype,
+                        std::optional<at::Layout> layout, std::optional<at::Device> device,
+                        std::optional<bool> pin_memory) {
+  TORCH_CHECK(!layout || *layout == at::kStrided, "tpu tensors must be strided, got layout ", *layout);
+  c10::OptionalDeviceGuard guard(device);
+  return at::detail::empty_strided_generic(size, stride, TpuAllocator(), TpuKeys(), c10::dtype_or_default(dtype));
+}
+
+at::Tensor AsStrided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
+                     std::optional<int64_t> storage_offset) {
+  return at::native::as_strided_tensorimpl(self, size, stride, storage_offset);
+}
+
+at::Tensor View(const at::Tensor& self, c10::IntArrayRef size) { return at::native::view(self, size); }
+
+at::Tensor ReshapeAlias(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
+  return at::native::_reshape_alias(self, size, stride);
+}
+
+// Bytes of host memory holding the storage's current contents (zeros if it
+// was never written).
+std::vector<char> StorageBytes(const c10::Storage& storage, at::ScalarType dtype) {
+  std::vector<char> bytes(storage.nbytes(), 0);
+  auto* ds = static_cast<runtime::DeviceStorage*>(storage.data_ptr().get_context());
+  if (ds && ds->initialized()) {
+    const auto& cur = ds->current();
+    size_t n = static_cast<size_t>(cur.numel) * runtime::ElementSize(cur.element);
+    Runtime::Get().Download(cur, bytes.data(), std::min(n, bytes.size()));
+  }
+  return bytes;
+}
+
+// Grows the storage to `nbytes`, keeping its contents (PyTorch's resize_
+// keeps the old elements).
+void GrowStorage(const at::Tensor& self, size_t nbytes) {
+  c10::Storage storage = self.storage();
+  if (nbytes <= storage.nbytes()) return;
+  std::vector<char> old = StorageBytes(storage, self.scalar_type());
+  c10::DataPtr fresh = TpuAllocator()->allocate(nbytes);
+  auto* ds = static_cast<runtime::DeviceStorage*>(fresh.get_context());
+  hlo::ElementType e = lowering::ToElementType(self.scalar_type());
+  size_t esize = runtime::ElementSize(e);
+  int64_t numel = static_cast<int64_t>(nbytes / esize);
+  if (!old.empty()) {
+    std::vector<char> bytes(static_cast<size_t>(numel) * esize, 0);
+    std::memcpy(bytes.data(), old.data(), std::min(old.size(), bytes.size()));
+    int64_t dims[] = {numel};
+    ds->Set({Runtime::Get().Upload(bytes.data(), e, dims, self.device().index()), e, numel, "resize_"});
+  }
+  storage.set_data_ptr_noswap(std::move(fresh));
+  storage.set_nbytes(nbytes);
+}
+
+const at::Tensor& Resize(const at::Tensor& self, c10::IntArrayRef size,
+                         std::optional<at::MemoryFormat> memory_format) {
+  auto* impl = self.unsafeGetTensorImpl();
+  int64_t numel = c10::multiply_integers(size);
+  size_t nbytes = numel == 0 ? 0
+                             : static_cast<size_t>(numel + self.storage_offset()) * self.dtype().itemsize();
+  GrowStorage(self, nbytes);
+  impl->set_sizes_contiguous(size);
+  if (memory_format && *memory_format != at::MemoryFormat::Preserve)
+    impl->empty_tensor_restride(*memory_format);
+  return self;
+}
+
+at::Tensor& SetStorage(at::Tensor& self, c10::Storage source, c10::SymInt storage_offset, c10::SymIntArrayRef size,
+                       c10::SymIntArrayRef stride) {
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(source));
+  impl->set_storage_offset(storage_offset.expect_int());
+  impl->set_sizes_and_strides(C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
+  return self;
+}
+
+at::Tensor& SetSourceStorage(at::Tensor& self, c10::Storage source) {
+  int64_t n = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
+  std::vector<c10::SymInt> size{n}, stride{1};
+  return SetStorage(self, std::move(source), 0, size, stride);
+}
+
+at::Tensor& SetSourceTensor(at::Tensor& self, const at::Tensor& source) {
+  return SetStorage(self, source.storage(), source.sym_storage_offset(), source.sym_sizes(), source.sym_strides());
+}
+
+at::Tensor& SetEmpty(at::Tensor& self) {
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, TpuAllocator(), true);
+  std::vector<c10::SymInt> size{0}, stride{1};
+  return SetStorage(self, std::move(storage), 0, size, stride);
+}
+
+// True if `t` is the whole of its storage, dense and typed as the storage.
+bool IsWholeStorage(const at::Tensor& t) {
+  auto& s = StorageOf(t);
+  if (!t.is_contiguous() || t.storage_offset() != 0) return false;
+  hlo::ElementType e = lowering::ToElementType(t.scalar_type());
+  if (s.initialized()) return s.current().element == e && s.current().numel == t.numel();
+  return static_cast<int64_t>(s.nbytes()) == t.numel() * static_cast<int64_t>(t.element_size());
+}
+
+void RunCopy(const at::Tensor& dst, const at::Tensor& src) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
+  static const lowering::LoweringEntry* entry = lowering::FindLowering("copy");
+  TORCH_CHECK(entry, "torch_tpu: no lowering for copy");
+  torch::jit::Stack stack{dst, src, false};
+  runtime::RunOp(op, &stack, *entry);
+}
+
+at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
+  if (dst.numel() == 0) return dst;
+  const bool src_tpu = src.device().type() == kTpu, dst_tpu = dst.device().type() == kTpu;
+  auto& rt = Runtime::Get();
+  if (!src_tpu && dst_tpu) {
+    TORCH_CHECK(src.device().is_cpu(), "copy to tpu from ", src.device(), " is not supported; copy to the CPU first");
+    at::Tensor host = src.to(dst.scalar_type());
+    if (IsWholeStorage(dst)) {
+      host = host.expand(dst.sizes()).contiguous();
+      hlo::ElementType e = lowering::ToElementType(dst.scalar_type());
+      int64_t dims[] = {dst.numel()};
+      StorageOf(dst).Set({rt.Upload(host.data_ptr(), e, dims, dst.device().index()), e, dst.numel(), "copy from cpu"});
+      return dst;
+    }
+    host = host.contiguous();
+    hlo::ElementType e = lowering::ToElementType(host.scalar_type());
+    int64_t dims[] = {host.numel()};
+    at::Tensor staged = runtime::WrapBuffer(
+        {rt.Upload(host.data_ptr(), e, dims, dst.device().index()), e, host.numel(), "copy from cpu"}, host.sizes(),
+        host.scalar_type(), dst.device().index());
+    RunCopy(dst, staged);
+    return dst;
+  }
+  if (src_tpu && !dst_tpu) {
+    TORCH_CHECK(dst.device().is_cpu(), "copy from tpu to ", dst.device(), " is not supported");
+    rt.Sync();  // a sync point: earlier failures surface here, naming their op
+    at::Tensor whole = IsWholeStorage(src) ? src : at::clone(src, at::MemoryFormat::Contiguous);
+    at::Tensor host = at::empty(whole.sizes(), whole.options().device(at::kCPU));
+    hlo::ElementType e = lowering::ToElementType(whole.scalar_type());
+    rt.Download(StorageOf(whole).Materialize(e), host.data_ptr(), host.nbytes());
+    dst.copy_(host);
+    return dst;
+  }
+  TORCH_CHECK(src_tpu && dst_tpu, "unsupported copy from ", src.device(), " to ", dst.device());
+  if (src.device() != dst.device()) {
+    return dst.copy_(src.cpu());
+  }
+  RunCopy(dst, src);
+  return dst;
+}
+
+at::Tensor CopyFromAndResize(const at::Tensor& self, const at::Tensor& dst) {
+  if (dst.sizes() != self.sizes()) Resize(dst, self.sizes(), std::nullopt);
+  return CopyFrom(self, dst, false);
+}
+
+at::Scalar LocalScalarDense(const at::Tensor& self) {
+  at::Tensor host = at::empty({}, self.options().device(at::kCPU));
+  CopyFrom(self, host, false);
+  return host.item();
+}
+
+int64_t FusedSdpChoice(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                       double, bool, std::optional<double>, bool) {
+  // The math path decomposes attention into matmul/softmax, which lower.
+  return static_cast<int64_t>(sdp::SDPBackend::math);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", Empty);
+  m.impl("empty_strided", EmptyStrided);
+  m.impl("as_strided", AsStrided);
+  m.impl("view", View);
+  m.impl("_reshape_alias", ReshapeAlias);
+  m.impl("resize_", Resize);
+  m.impl("set_.source_Storage_storage_offset", SetStorage);
+  m.impl("set_.source_Storage", SetSourceStorage);
+  m.impl("set_.source_Tensor", SetSourceTensor);
+  m.impl("set_", SetEmpty);
+  m.impl("_copy_from", CopyFrom);
+  m.impl("_copy_from_and_resize", CopyFromAndResize);
+  m.impl("_local_scalar_dense", LocalScalarDense);
+  m.impl("_fused_sdp_choice", FusedSdpChoice);
+}
+
+}  // namespace torch_tpu::aten

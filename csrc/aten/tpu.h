@@ -1,0 +1,22 @@
+// torch_tpu PrivateUse1 glue: shared declarations of the aten/ files.
+#pragma once
+
+#include <ATen/core/Generator.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/Device.h>
+
+namespace torch_tpu::aten {
+
+constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
+
+// allocator.cpp: storages whose data pointer is a runtime::DeviceStorage.
+c10::Allocator* TpuAllocator();
+// guard.cpp: the calling thread's current tpu device.
+c10::DeviceIndex CurrentDevice();
+// Number of tpu devices; 0 if the plugin cannot be loaded.
+c10::DeviceIndex DeviceCount();
+// generator.cpp
+const at::Generator& DefaultGenerator(c10::DeviceIndex index);
+at::Generator NewGenerator(c10::DeviceIndex index);
+
+}  // namespace torch_tpu::aten

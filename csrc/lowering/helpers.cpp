@@ -1,0 +1,322 @@
+#include "lowering/helpers.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace torch_tpu::lowering {
+
+int64_t NormalizeDim(int64_t dim, int64_t rank) {
+  int64_t r = std::max<int64_t>(rank, 1);
+  if (dim < -r || dim >= r)
+    throw LoweringError("Dimension out of range (expected to be in range of [" + std::to_string(-r) +
+                        ", " + std::to_string(r - 1) + "], but got " + std::to_string(dim) + ")");
+  return dim < 0 ? dim + r : dim;
+}
+
+std::vector<int64_t> BroadcastShapes(std::span<const int64_t> a, std::span<const int64_t> b) {
+  size_t n = std::max(a.size(), b.size());
+  std::vector<int64_t> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    if (da != db && da != 1 && db != 1)
+      throw LoweringError("shapes cannot be broadcast together");
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+Value BroadcastTo(Builder& b, const Value& v, std::span<const int64_t> dims) {
+  if (std::equal(v.dims().begin(), v.dims().end(), dims.begin(), dims.end())) return v;
+  if (v.rank() > static_cast<int64_t>(dims.size()))
+    throw LoweringError("BroadcastTo: operand rank exceeds target rank");
+  // Drop size-1 dims that expand, then broadcast_in_dim.
+  int64_t lead = static_cast<int64_t>(dims.size()) - v.rank();
+  std::vector<int64_t> kept_dims, bdims;
+  for (int64_t i = 0; i < v.rank(); ++i) {
+    int64_t d = v.dims()[static_cast<size_t>(i)];
+    int64_t t = dims[static_cast<size_t>(i + lead)];
+    if (d == t) {
+      kept_dims.push_back(d);
+      bdims.push_back(i + lead);
+    } else if (d != 1) {
+      throw LoweringError("BroadcastTo: cannot broadcast " + v.type.ToString());
+    }
+  }
+  Value r = b.Reshape(v, kept_dims);
+  return b.BroadcastInDim(r, dims, bdims);
+}
+
+Value CastElement(Builder& b, const Value& v, ElementType to) {
+  if (v.element() == to) return v;
+  if (to == ElementType::kPred) {
+    return b.Compare(v, ConstLike(b, v, 0), hlo::CompareDirection::kNE);
+  }
+  return b.Convert(v, to);
+}
+
+Value Cast(Builder& b, const Value& v, at::ScalarType to) { return CastElement(b, v, ToElementType(to)); }
+
+Value Const(Builder& b, ElementType t, double value, std::span<const int64_t> dims) {
+  Value s = b.Constant(TensorType{t, {}}, value);
+  if (dims.empty()) return s;
+  return b.BroadcastInDim(s, dims, {});
+}
+
+Value ConstLike(Builder& b, const Value& like, double value) {
+  return Const(b, like.element(), value, like.dims());
+}
+
+Value Prepare(Builder& b, const Value& v, at::ScalarType dtype, std::span<const int64_t> dims) {
+  return BroadcastTo(b, Cast(b, v, dtype), dims);
+}
+
+std::vector<int64_t> ReductionDims(std::span<const int64_t> dims, int64_t rank) {
+  std::vector<int64_t> out;
+  if (dims.empty()) {
+    out.resize(static_cast<size_t>(rank));
+    std::iota(out.begin(), out.end(), 0);
+    return out;
+  }
+  for (int64_t d : dims) out.push_back(NormalizeDim(d, rank));
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  if (rank == 0) out.clear();
+  return out;
+}
+
+std::vector<int64_t> KeepDimShape(std::span<const int64_t> shape, std::span<const int64_t> dims) {
+  std::vector<int64_t> out(shape.begin(), shape.end());
+  for (int64_t d : dims) out[static_cast<size_t>(d)] = 1;
+  return out;
+}
+
+namespace {
+Value ReduceWith(Builder& b, const Value& x, std::span<const int64_t> dims, bool keepdim,
+                 double init, std::string_view op) {
+  Value init_v = Const(b, x.element(), init);
+  std::string op_name(op);
+  auto r = b.Reduce(std::span(&x, 1), std::span(&init_v, 1), dims,
+                    [&](Builder& bb, std::span<const Value> a) {
+                      return std::vector<Value>{bb.Binary(op_name, a[0], a[1])};
+                    })[0];
+  if (keepdim) r = b.Reshape(r, KeepDimShape(x.dims(), dims));
+  return r;
+}
+
+double Lowest(ElementType t) {
+  if (hlo::IsFloating(t)) return -std::numeric_limits<double>::infinity();
+  switch (t) {
+    case ElementType::kPred: return 0;
+    case ElementType::kS8: return -128;
+    case ElementType::kS16: return -32768;
+    case ElementType::kS32: return -2147483648.0;
+    case ElementType::kS64: return static_cast<double>(std::numeric_limits<int64_t>::min());
+    default: return 0;
+  }
+}
+double Highest(ElementType t) {
+  if (hlo::IsFloating(t)) return std::numeric_limits<double>::infinity();
+  switch (t) {
+    case ElementType::kPred: return 1;
+    case ElementType::kS8: return 127;
+    case ElementType::kS16: return 32767;
+    case ElementType::kS32: return 2147483647.0;
+    case ElementType::kS64: return 9.2233720368547748e18;  // rounded; see ReduceMin
+    case ElementType::kU8: return 255;
+    case ElementType::kU16: return 65535;
+    case ElementType::kU32: return 4294967295.0;
+    default: return 0;
+  }
+}
+}  // namespace
+
+Value ReduceSum(Builder& b, const Value& x, std::span<const int64_t> dims, bool keepdim) {
+  return ReduceWith(b, x, dims, keepdim, 0, "stablehlo.add");
+}
+Value ReduceProd(Builder& b, const Value& x, std::span<const int64_t> dims, bool keepdim) {
+  return ReduceWith(b, x, dims, keepdim, 1, "stablehlo.multiply");
+}
+Value ReduceAnd(Builder& b, const Value& x, std::span<const int64_t> dims, bool keepdim) {
+  return ReduceWith(b, x, dims, keepdim, 1, "stablehlo.and");
+}
+Value ReduceOr(Builder& b, const Value& x, std::span<const int64_t> dims, bool keepdim) {
+  return ReduceWith(b, x, dims, keepdim, 0, "stablehlo.or");
+}
+
+Value ReduceMax(Builder& b, const Value& x, std::span<const int64_t> dims, bool keepdim) {
+  Value init = x.element() == ElementType::kS64
+                   ? b.ConstantInt(TensorType{x.element(), {}}, std::numeric_limits<int64_t>::min())
+                   : Const(b, x.element(), Lowest(x.element()));
+  auto r = b.Reduce(std::span(&x, 1), std::span(&init, 1), dims,
+                    [](Builder& bb, std::span<const Value> a) {
+                      return std::vector<Value>{MaxPropagateNaN(bb, a[0], a[1])};
+                    })[0];
+  if (keepdim) r = b.Reshape(r, KeepDimShape(x.dims(), dims));
+  return r;
+}
+
+Value ReduceMin(Builder& b, const Value& x, std::span<const int64_t> dims, bool keepdim) {
+  Value init = x.element() == ElementType::kS64
+                   ? b.ConstantInt(TensorType{x.element(), {}}, std::numeric_limits<int64_t>::max())
+                   : Const(b, x.element(), Highest(x.element()));
+  auto r = b.Reduce(std::span(&x, 1), std::span(&init, 1), dims,
+                    [](Builder& bb, std::span<const Value> a) {
+                      return std::vector<Value>{MinPropagateNaN(bb, a[0], a[1])};
+                    })[0];
+  if (keepdim) r = b.Reshape(r, KeepDimShape(x.dims(), dims));
+  return r;
+}
+
+Value MaxPropagateNaN(Builder& b, const Value& x, const Value& y) {
+  Value m = b.Max(x, y);
+  if (!hlo::IsFloating(x.element())) return m;
+  Value x_nan = b.Compare(x, x, hlo::CompareDirection::kNE);
+  Value y_nan = b.Compare(y, y, hlo::CompareDirection::kNE);
+  return b.Select(x_nan, x, b.Select(y_nan, y, m));
+}
+
+Value MinPropagateNaN(Builder& b, const Value& x, const Value& y) {
+  Value m = b.Min(x, y);
+  if (!hlo::IsFloating(x.element())) return m;
+  Value x_nan = b.Compare(x, x, hlo::CompareDirection::kNE);
+  Value y_nan = b.Compare(y, y, hlo::CompareDirection::kNE);
+  return b.Select(x_nan, x, b.Select(y_nan, y, m));
+}
+
+at::ScalarType OpMathType(at::ScalarType out) {
+  if (out == at::kBFloat16 || out == at::kHalf) return at::kFloat;
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Views of a flat storage.
+
+namespace {
+
+struct DenseLayout {
+  bool dense = false;
+  std::vector<int64_t> order;      // effective dims, outermost (largest stride) first
+  std::vector<int64_t> effective;  // effective dims in original order
+  int64_t span = 0;
+};
+
+// Effective dims: size > 1 and stride != 0. Dense if, sorted by stride, they
+// tile a contiguous block of storage exactly.
+DenseLayout AnalyzeDense(const ViewLayout& v) {
+  DenseLayout d;
+  for (size_t i = 0; i < v.sizes.size(); ++i)
+    if (v.sizes[i] > 1 && v.strides[i] != 0) d.effective.push_back(static_cast<int64_t>(i));
+  d.order = d.effective;
+  std::stable_sort(d.order.begin(), d.order.end(), [&](int64_t a, int64_t b) {
+    return v.strides[static_cast<size_t>(a)] > v.strides[static_cast<size_t>(b)];
+  });
+  int64_t expected = 1;
+  d.dense = true;
+  for (auto it = d.order.rbegin(); it != d.order.rend(); ++it) {
+    size_t i = static_cast<size_t>(*it);
+    if (v.strides[i] != expected) {
+      d.dense = false;
+      break;
+    }
+    expected *= v.sizes[i];
+  }
+  d.span = expected;
+  return d;
+}
+
+bool HasBroadcast(const ViewLayout& v) {
+  for (size_t i = 0; i < v.sizes.size(); ++i)
+    if (v.sizes[i] > 1 && v.strides[i] == 0) return true;
+  return false;
+}
+
+// Flat element index of every element of the view, shape = view sizes.
+Value ViewIndices(Builder& b, const ViewLayout& v, ElementType index_type) {
+  TensorType t{index_type, v.sizes};
+  Value idx = Const(b, index_type, static_cast<double>(v.offset), v.sizes);
+  for (size_t i = 0; i < v.sizes.size(); ++i) {
+    if (v.sizes[i] <= 1 || v.strides[i] == 0) continue;
+    Value iota = b.Iota(t, static_cast<int64_t>(i));
+    Value stride = Const(b, index_type, static_cast<double>(v.strides[i]), v.sizes);
+    idx = b.Add(idx, b.Mul(iota, stride));
+  }
+  return idx;
+}
+
+int64_t Numel(const std::vector<int64_t>& s) {
+  int64_t n = 1;
+  for (int64_t x : s) n *= x;
+  return n;
+}
+
+}  // namespace
+
+Value ReadView(Builder& b, const Value& flat, const ViewLayout& v) {
+  const int64_t n = Numel(v.sizes);
+  const int64_t storage = flat.dims()[0];
+  if (n == 0) return Const(b, flat.element(), 0, v.sizes);
+  DenseLayout d = AnalyzeDense(v);
+  if (d.dense && v.offset + d.span <= storage) {
+    int64_t start[] = {v.offset}, limit[] = {v.offset + d.span}, stride[] = {1};
+    Value block = b.Slice(flat, start, limit, stride);
+    std::vector<int64_t> sorted_sizes;
+    for (int64_t i : d.order) sorted_sizes.push_back(v.sizes[static_cast<size_t>(i)]);
+    block = b.Reshape(block, sorted_sizes);
+    // Transpose from stride order to the original order of effective dims.
+    std::vector<int64_t> perm;
+    for (int64_t e : d.effective)
+      perm.push_back(std::find(d.order.begin(), d.order.end(), e) - d.order.begin());
+    block = b.Transpose(block, perm);
+    return b.BroadcastInDim(block, v.sizes, d.effective);
+  }
+  ElementType it = storage < (int64_t{1} << 31) ? ElementType::kS32 : ElementType::kS64;
+  Value idx = ViewIndices(b, v, it);
+  std::vector<int64_t> idx_dims = v.sizes;
+  idx_dims.push_back(1);
+  idx = b.Reshape(idx, idx_dims);
+  hlo::GatherDims g;
+  g.collapsed_slice_dims = {0};
+  g.start_index_map = {0};
+  g.index_vector_dim = static_cast<int64_t>(v.sizes.size());
+  int64_t slice_sizes[] = {1};
+  return b.Gather(flat, idx, g, slice_sizes, TensorType{flat.element(), v.sizes});
+}
+
+Value WriteView(Builder& b, const Value& flat, const ViewLayout& v, const Value& value) {
+  const int64_t n = Numel(v.sizes);
+  const int64_t storage = flat.dims()[0];
+  if (n == 0) return flat;
+  if (value.element() != flat.element())
+    throw LoweringError("WriteView: value type " + value.type.ToString() + " differs from storage " +
+                        flat.type.ToString());
+  DenseLayout d = AnalyzeDense(v);
+  if (d.dense && !HasBroadcast(v) && v.offset + d.span <= storage) {
+    std::vector<int64_t> eff_sizes;
+    for (int64_t e : d.effective) eff_sizes.push_back(v.sizes[static_cast<size_t>(e)]);
+    Value x = b.Reshape(value, eff_sizes);
+    std::vector<int64_t> perm;  // original effective order -> stride order
+    for (int64_t o : d.order)
+      perm.push_back(std::find(d.effective.begin(), d.effective.end(), o) - d.effective.begin());
+    x = b.Transpose(x, perm);
+    int64_t span[] = {d.span};
+    x = b.Reshape(x, span);
+    if (v.offset == 0 && d.span == storage) return x;
+    Value start = b.ConstantInt(TensorType{ElementType::kS64, {}}, v.offset);
+    return b.DynamicUpdateSlice(flat, x, std::span(&start, 1));
+  }
+  ElementType it = storage < (int64_t{1} << 31) ? ElementType::kS32 : ElementType::kS64;
+  Value idx = ViewIndices(b, v, it);
+  int64_t idx_dims[] = {n, 1};
+  idx = b.Reshape(idx, idx_dims);
+  int64_t upd_dims[] = {n};
+  Value upd = b.Reshape(value, upd_dims);
+  hlo::ScatterDims s;
+  s.inserted_window_dims = {0};
+  s.scatter_dims_to_operand_dims = {0};
+  s.index_vector_dim = 1;
+  return b.Scatter(flat, idx, upd, s,
+                   [](Builder&, std::span<const Value> a) { return std::vector<Value>{a[1]}; });
+}
+
+}  // namespace torch_tpu::lowering

@@ -1,0 +1,70 @@
+// Shared building blocks for lowering functions: broadcasting, casts,
+// constants, reductions, and reading/writing strided views of a flat
+// storage buffer (DESIGN.md, "Memory model").
+#pragma once
+
+#include <span>
+#include <vector>
+
+#include "lowering/lowering.h"
+
+namespace torch_tpu::lowering {
+
+using hlo::Builder;
+using hlo::ElementType;
+using hlo::TensorType;
+using hlo::Value;
+
+// Python-style dim normalization; throws LoweringError naming the op.
+int64_t NormalizeDim(int64_t dim, int64_t rank);
+// numpy/PyTorch broadcast of two shapes.
+std::vector<int64_t> BroadcastShapes(std::span<const int64_t> a, std::span<const int64_t> b);
+// Broadcasts `v` (right-aligned) to `dims`.
+Value BroadcastTo(Builder& b, const Value& v, std::span<const int64_t> dims);
+// Converts to a torch dtype (bool conversion is `!= 0`, as in PyTorch).
+Value Cast(Builder& b, const Value& v, at::ScalarType to);
+Value CastElement(Builder& b, const Value& v, ElementType to);
+// A splat constant with v's element type and dims.
+Value ConstLike(Builder& b, const Value& like, double value);
+Value Const(Builder& b, ElementType t, double value, std::span<const int64_t> dims = {});
+// Cast then broadcast: the usual operand preparation of pointwise ops.
+Value Prepare(Builder& b, const Value& v, at::ScalarType dtype, std::span<const int64_t> dims);
+
+// Reductions over `dims` (sorted, normalized); keepdim reshapes back.
+Value ReduceSum(Builder& b, const Value& x, std::span<const int64_t> dims, bool keepdim);
+Value ReduceMax(Builder& b, const Value& x, std::span<const int64_t> dims, bool keepdim);
+Value ReduceMin(Builder& b, const Value& x, std::span<const int64_t> dims, bool keepdim);
+Value ReduceProd(Builder& b, const Value& x, std::span<const int64_t> dims, bool keepdim);
+Value ReduceAnd(Builder& b, const Value& x, std::span<const int64_t> dims, bool keepdim);
+Value ReduceOr(Builder& b, const Value& x, std::span<const int64_t> dims, bool keepdim);
+// Shape of x with `dims` set to 1 (keepdim form).
+std::vector<int64_t> KeepDimShape(std::span<const int64_t> shape, std::span<const int64_t> dims);
+// Normalized, sorted, deduplicated reduction dims; empty `dims` = all.
+std::vector<int64_t> ReductionDims(std::span<const int64_t> dims, int64_t rank);
+
+// NaN-propagating max/min, as torch.maximum/minimum (StableHLO's
+// maximum/minimum propagate NaN too, but the CPU plugin's fast-min-max may
+// not, so the choice is explicit).
+Value MaxPropagateNaN(Builder& b, const Value& x, const Value& y);
+Value MinPropagateNaN(Builder& b, const Value& x, const Value& y);
+
+// Floating compute dtype for an op producing `out`: bf16/f16 compute in f32
+// (PyTorch's opmath type), others as they are.
+at::ScalarType OpMathType(at::ScalarType out);
+
+// --- strided views of a flat storage ------------------------------------
+// A tensor's view of its storage: sizes, strides and offset in elements.
+struct ViewLayout {
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  int64_t offset = 0;
+};
+// Extracts the view from `flat` (rank 1, the whole storage) inside the
+// program: reshape for a whole contiguous storage, slice+reshape+transpose
+// (+broadcast for zero strides) where the strides allow, else a gather.
+Value ReadView(Builder& b, const Value& flat, const ViewLayout& view);
+// Returns the new flat storage with `value` (the view's sizes) written at the
+// view's elements: update-slice where the layout allows, else a scatter.
+Value WriteView(Builder& b, const Value& flat, const ViewLayout& view, const Value& value);
+
+}  // namespace torch_tpu::lowering

@@ -1,0 +1,149 @@
+// torch_tpu lowering library: ATen op -> StableHLO.
+//
+// A registry maps an ATen op's base name ("add", "native_layer_norm"; the
+// in-place "add_" and out= "add.out" variants share the entry of "add") to a
+// lowering function. The function receives a LoweringContext holding the
+// op's arguments in schema order (tensor arguments as StableHLO values shaped
+// like the tensor, Scalar arguments as 0-d runtime parameters, everything
+// else as static values) and the output specs PyTorch's meta kernels
+// computed; it returns one StableHLO value per tensor the op returns.
+// PyTorch semantics (type promotion, NaN propagation, integer division,
+// index checks) live in the lowering functions. The same registry serves
+// every executor and torch.compile.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/function_schema.h>
+#include <ATen/core/ivalue.h>
+
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "hlo/builder.h"
+
+namespace torch_tpu::lowering {
+
+// How a Scalar argument or a wrapped CPU 0-d tensor reaches the program.
+hlo::ElementType ToElementType(at::ScalarType t);
+at::ScalarType ToScalarType(hlo::ElementType t);
+
+// One argument of an ATen call, as seen by a lowering function.
+struct LoweredArg {
+  enum class Kind : uint8_t {
+    kNone,        // an absent optional (None)
+    kTensor,      // a tensor: `value` has the tensor's dtype and sizes
+    kTensorList,  // Tensor[] or Tensor?[]: `list`, with `present` for optionals
+    kScalar,      // a Scalar (or CPU 0-d tensor): `value` is a 0-d runtime input
+    kStatic,      // anything else (int, float, bool, int[], dtype, ...): `ivalue`
+  };
+  Kind kind = Kind::kNone;
+  std::string_view name;
+  hlo::Value value;
+  std::vector<hlo::Value> list;
+  std::vector<bool> present;
+  c10::IValue ivalue;
+  at::ScalarType dtype = at::ScalarType::Undefined;  // kTensor/kScalar: torch dtype
+  bool wrapped_number = false;                       // Python number / CPU 0-d tensor
+};
+
+// The output PyTorch's meta kernel computed for a returned tensor.
+struct OutputSpec {
+  at::ScalarType dtype;
+  std::vector<int64_t> sizes;
+};
+
+class LoweringError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class LoweringContext {
+ public:
+  LoweringContext(hlo::Builder& builder, const c10::FunctionSchema& schema)
+      : b(builder), schema(schema) {}
+
+  hlo::Builder& b;
+  const c10::FunctionSchema& schema;
+  std::vector<LoweredArg> args;      // schema order, out= arguments excluded
+  std::vector<OutputSpec> outputs;   // one per returned tensor
+
+  // Lookup by schema argument name; throws LoweringError if absent.
+  const LoweredArg& arg(std::string_view name) const;
+  const LoweredArg* find(std::string_view name) const;  // nullptr if no such argument
+  bool has(std::string_view name) const;   // exists and is not None
+  const hlo::Value& tensor(std::string_view name) const;
+  // A tensor or Scalar argument as a value (scalars are 0-d).
+  const hlo::Value& value(std::string_view name) const;
+  int64_t int_arg(std::string_view name) const;
+  std::optional<int64_t> opt_int(std::string_view name) const;
+  double float_arg(std::string_view name) const;
+  bool bool_arg(std::string_view name) const;
+  std::vector<int64_t> ints(std::string_view name) const;
+  std::optional<std::vector<int64_t>> opt_ints(std::string_view name) const;
+  std::optional<at::ScalarType> opt_dtype(std::string_view name) const;
+  std::string_view string_arg(std::string_view name) const;
+
+  // The op's random state: a tensor<2xui64> runtime input (key, counter)
+  // drawn from the tpu generator at run time. Only for entries with
+  // traits.needs_rng.
+  hlo::Value rng_state();
+  std::optional<hlo::Value> rng_state_value;
+
+  // Writes `value` into the tensor argument `name` (which must be a tensor):
+  // for ops that mutate arguments they do not return (batch norm's running
+  // statistics, _copy_from's dst).
+  void write(std::string_view name, hlo::Value value);
+  std::vector<std::pair<std::string_view, hlo::Value>> writes;
+
+  // Debug label of the op being lowered: "aten::add.Tensor".
+  std::string op_name() const;
+};
+
+using LowerFn = std::vector<hlo::Value> (*)(LoweringContext& ctx);
+
+// Bounds check that the debug executor runs before an indexing op:
+// every value of tensor argument `index` (or each tensor of a list) must lie
+// in [-n, n) where n = size of argument `source` along dimension `dim_arg`
+// (an int argument; empty = dimension 0, or for lists the list position).
+struct IndexCheck {
+  std::string_view index;
+  std::string_view source;
+  std::string_view dim_arg;
+};
+
+struct LoweringTraits {
+  bool needs_rng = false;
+  // Scalar arguments are compiled in as constants (part of the cache key)
+  // instead of runtime inputs: for ops whose output shape depends on them
+  // (arange).
+  bool static_scalars = false;
+  std::vector<IndexCheck> index_checks;
+};
+
+struct LoweringEntry {
+  std::string_view name;  // base name, e.g. "add"
+  LowerFn fn = nullptr;
+  LoweringTraits traits;
+};
+
+// nullptr if no lowering is registered for this base name.
+const LoweringEntry* FindLowering(std::string_view base_name);
+// Every registered entry, for coverage reports.
+std::vector<const LoweringEntry*> AllLowerings();
+
+// Registers at static-initialization time; use TORCH_TPU_LOWERINGS.
+struct LoweringRegistrar {
+  LoweringRegistrar(std::initializer_list<LoweringEntry> entries);
+};
+
+#define TORCH_TPU_CONCAT_INNER(a, b) a##b
+#define TORCH_TPU_CONCAT(a, b) TORCH_TPU_CONCAT_INNER(a, b)
+// A registration table: TORCH_TPU_LOWERINGS({{"add", LowerAdd}, ...});
+#define TORCH_TPU_LOWERINGS(...)                                             \
+  static ::torch_tpu::lowering::LoweringRegistrar TORCH_TPU_CONCAT(         \
+      torch_tpu_lowerings_, __LINE__)(__VA_ARGS__)
+
+}  // namespace torch_tpu::lowering

@@ -1,0 +1,180 @@
+#include <mutex>
+#include <unordered_map>
+
+#include "lowering/lowering.h"
+
+namespace torch_tpu::lowering {
+namespace {
+
+std::unordered_map<std::string_view, LoweringEntry>& Registry() {
+  static auto* registry = new std::unordered_map<std::string_view, LoweringEntry>();
+  return *registry;
+}
+
+}  // namespace
+
+LoweringRegistrar::LoweringRegistrar(std::initializer_list<LoweringEntry> entries) {
+  for (const auto& e : entries) {
+    auto [it, inserted] = Registry().emplace(e.name, e);
+    if (!inserted) throw std::logic_error("duplicate lowering for " + std::string(e.name));
+  }
+}
+
+const LoweringEntry* FindLowering(std::string_view base_name) {
+  auto& r = Registry();
+  auto it = r.find(base_name);
+  return it == r.end() ? nullptr : &it->second;
+}
+
+std::vector<const LoweringEntry*> AllLowerings() {
+  std::vector<const LoweringEntry*> out;
+  for (auto& [name, e] : Registry()) out.push_back(&e);
+  return out;
+}
+
+hlo::ElementType ToElementType(at::ScalarType t) {
+  using E = hlo::ElementType;
+  switch (t) {
+    case at::kBool: return E::kPred;
+    case at::kChar: return E::kS8;
+    case at::kShort: return E::kS16;
+    case at::kInt: return E::kS32;
+    case at::kLong: return E::kS64;
+    case at::kByte: return E::kU8;
+    case at::kUInt16: return E::kU16;
+    case at::kUInt32: return E::kU32;
+    case at::kUInt64: return E::kU64;
+    case at::kHalf: return E::kF16;
+    case at::kBFloat16: return E::kBF16;
+    case at::kFloat: return E::kF32;
+    case at::kDouble: return E::kF64;
+    case at::kComplexFloat: return E::kC64;
+    case at::kComplexDouble: return E::kC128;
+    default:
+      throw LoweringError(std::string("dtype ") + c10::toString(t) + " is not supported on tpu");
+  }
+}
+
+at::ScalarType ToScalarType(hlo::ElementType t) {
+  using E = hlo::ElementType;
+  switch (t) {
+    case E::kPred: return at::kBool;
+    case E::kS8: return at::kChar;
+    case E::kS16: return at::kShort;
+    case E::kS32: return at::kInt;
+    case E::kS64: return at::kLong;
+    case E::kU8: return at::kByte;
+    case E::kU16: return at::kUInt16;
+    case E::kU32: return at::kUInt32;
+    case E::kU64: return at::kUInt64;
+    case E::kF16: return at::kHalf;
+    case E::kBF16: return at::kBFloat16;
+    case E::kF32: return at::kFloat;
+    case E::kF64: return at::kDouble;
+    case E::kC64: return at::kComplexFloat;
+    case E::kC128: return at::kComplexDouble;
+  }
+  return at::kFloat;
+}
+
+std::string LoweringContext::op_name() const {
+  std::string s = schema.name();
+  if (!schema.overload_name().empty()) s += "." + schema.overload_name();
+  return s;
+}
+
+const LoweredArg* LoweringContext::find(std::string_view name) const {
+  for (const auto& a : args)
+    if (a.name == name) return &a;
+  return nullptr;
+}
+
+const LoweredArg& LoweringContext::arg(std::string_view name) const {
+  const LoweredArg* a = find(name);
+  if (!a) throw LoweringError(op_name() + ": lowering asked for unknown argument '" + std::string(name) + "'");
+  return *a;
+}
+
+bool LoweringContext::has(std::string_view name) const {
+  const LoweredArg* a = find(name);
+  return a && a->kind != LoweredArg::Kind::kNone &&
+         !(a->kind == LoweredArg::Kind::kStatic && a->ivalue.isNone());
+}
+
+const hlo::Value& LoweringContext::tensor(std::string_view name) const {
+  const auto& a = arg(name);
+  if (a.kind != LoweredArg::Kind::kTensor && a.kind != LoweredArg::Kind::kScalar)
+    throw LoweringError(op_name() + ": argument '" + std::string(name) + "' is not a tensor");
+  return a.value;
+}
+
+const hlo::Value& LoweringContext::value(std::string_view name) const { return tensor(name); }
+
+int64_t LoweringContext::int_arg(std::string_view name) const {
+  const auto& a = arg(name);
+  if (a.kind != LoweredArg::Kind::kStatic) throw LoweringError(op_name() + ": '" + std::string(name) + "' is not static");
+  if (a.ivalue.isInt()) return a.ivalue.toInt();
+  if (a.ivalue.isBool()) return a.ivalue.toBool();
+  throw LoweringError(op_name() + ": '" + std::string(name) + "' is not an int");
+}
+
+std::optional<int64_t> LoweringContext::opt_int(std::string_view name) const {
+  if (!has(name)) return std::nullopt;
+  return int_arg(name);
+}
+
+double LoweringContext::float_arg(std::string_view name) const {
+  const auto& a = arg(name);
+  if (a.ivalue.isDouble()) return a.ivalue.toDouble();
+  if (a.ivalue.isInt()) return static_cast<double>(a.ivalue.toInt());
+  if (a.ivalue.isBool()) return a.ivalue.toBool();
+  throw LoweringError(op_name() + ": '" + std::string(name) + "' is not a static float");
+}
+
+bool LoweringContext::bool_arg(std::string_view name) const {
+  const auto& a = arg(name);
+  if (a.ivalue.isBool()) return a.ivalue.toBool();
+  if (a.ivalue.isInt()) return a.ivalue.toInt() != 0;
+  if (a.ivalue.isNone()) return false;
+  throw LoweringError(op_name() + ": '" + std::string(name) + "' is not a bool");
+}
+
+std::vector<int64_t> LoweringContext::ints(std::string_view name) const {
+  const auto& a = arg(name);
+  if (a.ivalue.isIntList()) return a.ivalue.toIntVector();
+  if (a.ivalue.isInt()) return {a.ivalue.toInt()};
+  if (a.ivalue.isNone()) return {};
+  throw LoweringError(op_name() + ": '" + std::string(name) + "' is not an int list");
+}
+
+std::optional<std::vector<int64_t>> LoweringContext::opt_ints(std::string_view name) const {
+  if (!has(name)) return std::nullopt;
+  return ints(name);
+}
+
+std::optional<at::ScalarType> LoweringContext::opt_dtype(std::string_view name) const {
+  const LoweredArg* a = find(name);
+  if (!a || !a->ivalue.isInt()) return std::nullopt;
+  return static_cast<at::ScalarType>(a->ivalue.toInt());
+}
+
+std::string_view LoweringContext::string_arg(std::string_view name) const {
+  const auto& a = arg(name);
+  if (!a.ivalue.isString()) throw LoweringError(op_name() + ": '" + std::string(name) + "' is not a string");
+  return a.ivalue.toStringView();
+}
+
+hlo::Value LoweringContext::rng_state() {
+  if (!rng_state_value)
+    throw LoweringError(op_name() + ": lowering uses random numbers but its entry lacks needs_rng");
+  return *rng_state_value;
+}
+
+void LoweringContext::write(std::string_view name, hlo::Value value) {
+  const auto& a = arg(name);
+  if (a.kind != LoweredArg::Kind::kTensor)
+    throw LoweringError(op_name() + ": cannot write to non-tensor argument '" + std::string(name) + "'");
+  writes.emplace_back(a.name, std::move(value));
+}
+
+}  // namespace torch_tpu::lowering

@@ -1,0 +1,159 @@
+// PJRT_Client wrapper: devices, compilation, host-to-device transfers.
+#include <string>
+
+#include "call.h"
+#include "pjrt.h"
+
+namespace torch_tpu::pjrt {
+
+std::shared_ptr<Client> Client::Create(std::shared_ptr<Plugin> plugin) {
+  const Plugin& p = *plugin;
+  PJRT_Client_Create_Args create{};  // no create options, no KV store
+  TORCH_TPU_PJRT_CALL(p, PJRT_Client_Create, create);
+
+  std::shared_ptr<Client> client(new Client());
+  client->plugin_ = std::move(plugin);
+  client->client_ = create.client;  // owned from here: ~Client destroys it
+
+  PJRT_Client_AddressableDevices_Args list{};
+  list.client = client->client_;
+  TORCH_TPU_PJRT_CALL(p, PJRT_Client_AddressableDevices, list);
+  client->devices_.reserve(list.num_addressable_devices);
+  for (size_t i = 0; i < list.num_addressable_devices; ++i) {
+    Device device;
+    device.handle = list.addressable_devices[i];
+
+    PJRT_Device_GetDescription_Args desc{};
+    desc.device = device.handle;
+    TORCH_TPU_PJRT_CALL(p, PJRT_Device_GetDescription, desc);
+
+    PJRT_DeviceDescription_Id_Args id{};
+    id.device_description = desc.device_description;
+    TORCH_TPU_PJRT_CALL(p, PJRT_DeviceDescription_Id, id);
+    device.id = id.id;
+
+    PJRT_DeviceDescription_Kind_Args kind{};
+    kind.device_description = desc.device_description;
+    TORCH_TPU_PJRT_CALL(p, PJRT_DeviceDescription_Kind, kind);
+    device.kind.assign(kind.device_kind, kind.device_kind_size);
+
+    PJRT_DeviceDescription_DebugString_Args debug{};
+    debug.device_description = desc.device_description;
+    TORCH_TPU_PJRT_CALL(p, PJRT_DeviceDescription_DebugString, debug);
+    device.debug_string.assign(debug.debug_string, debug.debug_string_size);
+
+    PJRT_Device_LocalHardwareId_Args hw{};
+    hw.device = device.handle;
+    TORCH_TPU_PJRT_CALL(p, PJRT_Device_LocalHardwareId, hw);
+    device.local_hardware_id = hw.local_hardware_id;
+
+    client->devices_.push_back(std::move(device));
+  }
+  return client;
+}
+
+Client::~Client() {
+  if (client_ == nullptr) return;
+  PJRT_Client_Destroy_Args args{};
+  args.client = client_;
+  TORCH_TPU_PJRT_CALL_NOTHROW(*plugin_, PJRT_Client_Destroy, args);
+}
+
+std::string Client::platform_name() const {
+  PJRT_Client_PlatformName_Args args{};
+  args.client = client_;
+  TORCH_TPU_PJRT_CALL(*plugin_, PJRT_Client_PlatformName, args);
+  return std::string(args.platform_name, args.platform_name_size);
+}
+
+std::string Client::platform_version() const {
+  PJRT_Client_PlatformVersion_Args args{};
+  args.client = client_;
+  TORCH_TPU_PJRT_CALL(*plugin_, PJRT_Client_PlatformVersion, args);
+  return std::string(args.platform_version, args.platform_version_size);
+}
+
+std::optional<MemoryStats> Client::memory_stats(const Device& device) const {
+  if (!TORCH_TPU_PJRT_HAS(*plugin_, PJRT_Device_MemoryStats)) {
+    return std::nullopt;
+  }
+  PJRT_Device_MemoryStats_Args args{};
+  args.device = device.handle;
+  try {
+    TORCH_TPU_PJRT_CALL(*plugin_, PJRT_Device_MemoryStats, args);
+  } catch (const Error& e) {
+    if (e.code() == PJRT_Error_Code_UNIMPLEMENTED) return std::nullopt;
+    throw;
+  }
+  MemoryStats stats;
+  stats.bytes_in_use = args.bytes_in_use;
+  if (args.peak_bytes_in_use_is_set) {
+    stats.peak_bytes_in_use = args.peak_bytes_in_use;
+  }
+  if (args.bytes_limit_is_set) stats.bytes_limit = args.bytes_limit;
+  return stats;
+}
+
+std::unique_ptr<Executable> Client::Compile(std::string_view mlir_text,
+                                            const CompileOptions& options) {
+  static constexpr char kFormat[] = "mlir";
+  PJRT_Program program{};
+  program.struct_size = PJRT_Program_STRUCT_SIZE;
+  // The plugin only reads `code` when compiling.
+  program.code = const_cast<char*>(mlir_text.data());
+  program.code_size = mlir_text.size();
+  program.format = kFormat;
+  program.format_size = sizeof(kFormat) - 1;
+
+  const std::string serialized_options = options.Serialize();
+  PJRT_Client_Compile_Args args{};
+  args.client = client_;
+  args.program = &program;
+  args.compile_options = serialized_options.data();
+  args.compile_options_size = serialized_options.size();
+  TORCH_TPU_PJRT_CALL(*plugin_, PJRT_Client_Compile, args);
+  return std::make_unique<Executable>(plugin_, args.executable);
+}
+
+std::unique_ptr<Executable> Client::DeserializeAndLoad(
+    std::string_view serialized) {
+  PJRT_Executable_DeserializeAndLoad_Args args{};
+  args.client = client_;
+  args.serialized_executable = serialized.data();
+  args.serialized_executable_size = serialized.size();
+  // overridden_serialized_compile_options left null: use the stored options.
+  TORCH_TPU_PJRT_CALL(*plugin_, PJRT_Executable_DeserializeAndLoad, args);
+  return std::make_unique<Executable>(plugin_, args.loaded_executable);
+}
+
+std::unique_ptr<Buffer> Client::BufferFromHost(const void* data,
+                                               PJRT_Buffer_Type type,
+                                               std::span<const int64_t> dims,
+                                               const Device& device) {
+  // A zero-element buffer may come with no data pointer; hand the plugin a
+  // valid (never read) address anyway.
+  static const char kEmpty[1] = {0};
+  PJRT_Client_BufferFromHostBuffer_Args args{};
+  args.client = client_;
+  args.data = data != nullptr ? data : kEmpty;
+  args.type = type;
+  args.dims = dims.data();
+  args.num_dims = dims.size();
+  args.byte_strides = nullptr;  // dense row-major
+  args.num_byte_strides = 0;
+  // The plugin copies the data before returning; `data` may be freed then.
+  args.host_buffer_semantics = PJRT_HostBufferSemantics_kImmutableOnlyDuringCall;
+  args.device = device.handle;
+  TORCH_TPU_PJRT_CALL(*plugin_, PJRT_Client_BufferFromHostBuffer, args);
+  auto buffer = std::make_unique<Buffer>(plugin_, args.buffer);
+  if (args.done_with_host_buffer != nullptr) {
+    // Already signalled under kImmutableOnlyDuringCall; owned and destroyed
+    // here. Awaiting costs nothing and keeps any plugin that signals late
+    // honest about the "may be freed on return" promise.
+    Event done(plugin_, args.done_with_host_buffer);
+    done.Await();
+  }
+  return buffer;
+}
+
+}  // namespace torch_tpu::pjrt

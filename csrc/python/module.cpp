@@ -1,0 +1,121 @@
+// The extension module torch_tpu._C: what the thin Python package needs
+// from the C++ core.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/extension.h>
+#include <torch/csrc/Generator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "aten/tpu.h"
+#include "lowering/lowering.h"
+#include "runtime/compiled_op.h"
+#include "runtime/executor.h"
+#include "runtime/runtime.h"
+
+namespace py = pybind11;
+using torch_tpu::runtime::Runtime;
+
+namespace {
+
+py::dict Metrics() {
+  auto& m = Runtime::Get().metrics();
+  py::dict d;
+  d["compiles"] = m.compiles.load();
+  d["compile_time_s"] = static_cast<double>(m.compile_time_ns.load()) * 1e-9;
+  d["cache_hits"] = m.cache_hits.load();
+  d["cache_misses"] = m.cache_misses.load();
+  d["executions"] = m.executions.load();
+  d["host_to_device_bytes"] = m.host_to_device_bytes.load();
+  d["device_to_host_bytes"] = m.device_to_host_bytes.load();
+  py::dict fallbacks;
+  {
+    std::lock_guard<std::mutex> lock(m.fallback_mutex);
+    for (const auto& [name, count] : m.cpu_fallbacks) fallbacks[py::str(name)] = count;
+  }
+  d["cpu_fallbacks"] = fallbacks;
+  d["cached_executables"] = torch_tpu::runtime::GlobalOpCache().size();
+  return d;
+}
+
+py::dict MemoryStats() {
+  auto& rt = Runtime::Get();
+  py::dict d;
+  d["allocated_bytes.all.current"] = rt.allocated_bytes();
+  d["allocated_bytes.all.peak"] = rt.peak_allocated_bytes();
+  d["allocation.all.allocated"] = rt.num_allocs();
+  auto stats = rt.client().memory_stats(rt.device(torch_tpu::aten::CurrentDevice()));
+  if (stats) {
+    d["device.bytes_in_use"] = stats->bytes_in_use;
+    if (stats->bytes_limit) d["device.bytes_limit"] = *stats->bytes_limit;
+    if (stats->peak_bytes_in_use) d["device.peak_bytes_in_use"] = *stats->peak_bytes_in_use;
+  }
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "torch_tpu C++ core: PJRT runtime, lowerings and eager executors";
+  m.def("_set_plugin_path", &Runtime::SetPluginPath, "Plugin to load on first use");
+  m.def("_plugin_path", [] { return Runtime::PluginPath(); });
+  m.def("_init", [] {
+    try {
+      Runtime::Get();
+    } catch (const std::exception& e) {
+      throw std::runtime_error(e.what());
+    }
+  });
+  m.def("_is_initialized", &Runtime::Initialized);
+  m.def("device_count", [] { return static_cast<int>(torch_tpu::aten::DeviceCount()); });
+  m.def("platform_name", [] { return Runtime::Get().client().platform_name(); });
+  m.def("platform_version", [] { return Runtime::Get().client().platform_version(); });
+  m.def("pjrt_api_version", [] {
+    auto& p = *Runtime::Get().client().plugin();
+    return py::make_tuple(p.api_major(), p.api_minor());
+  });
+  m.def("pjrt_header_version", [] { return py::make_tuple(PJRT_API_MAJOR, PJRT_API_MINOR); });
+  m.def("device_kind", [](int index) { return Runtime::Get().device(index).kind; });
+  m.def("current_device", [] { return static_cast<int>(torch_tpu::aten::CurrentDevice()); });
+  m.def("set_device", [](int index) {
+    c10::impl::getDeviceGuardImpl(torch_tpu::aten::kTpu)->setDevice(c10::Device(torch_tpu::aten::kTpu, static_cast<c10::DeviceIndex>(index)));
+  });
+  m.def("_default_generator", [](int index) {
+    return py::reinterpret_steal<py::object>(
+        THPGenerator_initDefaultGenerator(torch_tpu::aten::DefaultGenerator(static_cast<c10::DeviceIndex>(index))));
+  });
+  m.def("synchronize", [] {
+    py::gil_scoped_release no_gil;
+    Runtime::Get().Sync();
+  });
+  m.def("set_eager_mode", [](const std::string& name) {
+    torch_tpu::runtime::SetMode(torch_tpu::runtime::ParseMode(name));
+  });
+  m.def("get_eager_mode", [] { return std::string(torch_tpu::runtime::ModeName(torch_tpu::runtime::CurrentMode())); });
+  m.def("memory_allocated", [] { return Runtime::Get().allocated_bytes(); });
+  m.def("max_memory_allocated", [] { return Runtime::Get().peak_allocated_bytes(); });
+  m.def("reset_peak_memory_stats", [] { Runtime::Get().ResetPeak(); });
+  m.def("memory_stats", &MemoryStats);
+  m.def("metrics", &Metrics);
+  m.def("clear_executable_cache", [] { torch_tpu::runtime::GlobalOpCache().Clear(); });
+  m.def("lowered_ops", [] {
+    std::vector<std::string> names;
+    for (const auto* e : torch_tpu::lowering::AllLowerings()) names.emplace_back(e->name);
+    std::sort(names.begin(), names.end());
+    return names;
+  });
+  m.def("_set_user_frame_hook", [](py::function hook) {
+    auto* held = new py::function(std::move(hook));  // lives for the process
+    torch_tpu::runtime::SetUserFrameHook([held]() -> std::string {
+      py::gil_scoped_acquire gil;
+      try {
+        return (*held)().cast<std::string>();
+      } catch (const std::exception&) {
+        return {};
+      }
+    });
+  });
+  m.def("_storage_element_type", [](const at::Tensor& t) {
+    auto& s = torch_tpu::runtime::StorageOf(t);
+    return s.initialized() ? std::string(torch_tpu::hlo::MlirName(s.current().element)) : std::string();
+  });
+}

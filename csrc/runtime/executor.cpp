@@ -1,0 +1,52 @@
+#include "runtime/executor.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <stdexcept>
+
+namespace torch_tpu::runtime {
+namespace {
+
+EagerMode InitialMode() {
+  if (const char* e = std::getenv("TORCH_TPU_EAGER_MODE"); e && *e) return ParseMode(e);
+  if (const char* e = std::getenv("TPU_LAUNCH_BLOCKING"); e && std::string(e) == "1") return EagerMode::kDebug;
+  return EagerMode::kStrict;
+}
+
+std::atomic<int>& ModeStorage() {
+  static std::atomic<int> mode{static_cast<int>(InitialMode())};
+  return mode;
+}
+
+std::function<std::string()>& FrameHook() {
+  static std::function<std::string()> hook;
+  return hook;
+}
+
+}  // namespace
+
+EagerMode CurrentMode() { return static_cast<EagerMode>(ModeStorage().load(std::memory_order_relaxed)); }
+void SetMode(EagerMode mode) { ModeStorage().store(static_cast<int>(mode)); }
+
+EagerMode ParseMode(const std::string& name) {
+  if (name == "strict") return EagerMode::kStrict;
+  if (name == "debug") return EagerMode::kDebug;
+  throw std::invalid_argument("unknown tpu eager mode '" + name + "' (expected 'strict' or 'debug')");
+}
+
+const char* ModeName(EagerMode mode) { return mode == EagerMode::kDebug ? "debug" : "strict"; }
+
+void RunOp(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry) {
+  switch (CurrentMode()) {
+    case EagerMode::kDebug: return RunDebug(op, stack, entry);
+    case EagerMode::kStrict: return RunStrict(op, stack, entry);
+  }
+}
+
+void SetUserFrameHook(std::function<std::string()> hook) { FrameHook() = std::move(hook); }
+std::string UserFrame() {
+  auto& hook = FrameHook();
+  return hook ? hook() : std::string();
+}
+
+}  // namespace torch_tpu::runtime

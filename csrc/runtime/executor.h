@@ -1,0 +1,39 @@
+// torch_tpu eager executors. Each executor is one file:
+//   strict_executor.cpp  asynchronous, one op at a time, program order
+//   debug_executor.cpp   synchronous, with index and NaN/Inf checks
+// The active one is chosen by torch_tpu.set_eager_mode() or, at start-up,
+// TORCH_TPU_EAGER_MODE=debug|strict (also TPU_LAUNCH_BLOCKING=1 for debug).
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+#include <functional>
+#include <string>
+
+#include "lowering/lowering.h"
+
+namespace torch_tpu::runtime {
+
+enum class EagerMode : int { kStrict = 0, kDebug = 1 };
+
+EagerMode CurrentMode();
+void SetMode(EagerMode mode);
+// "strict" / "debug"; throws std::invalid_argument naming valid modes.
+EagerMode ParseMode(const std::string& name);
+const char* ModeName(EagerMode mode);
+
+// Runs an ATen call (arguments on top of the stack, replaced by its
+// returns) through the active executor. Throws UnsupportedOp before any
+// side effect if the call cannot be lowered.
+void RunOp(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry);
+
+void RunStrict(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry);
+void RunDebug(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry);
+
+// Returns "file:line (function)" of the user's code calling into torch
+// (set by the Python module; empty when unknown).
+void SetUserFrameHook(std::function<std::string()> hook);
+std::string UserFrame();
+
+}  // namespace torch_tpu::runtime

@@ -1,0 +1,164 @@
+#include "runtime/runtime.h"
+
+#include <cstdlib>
+#include <vector>
+
+namespace torch_tpu::runtime {
+namespace {
+std::string& PluginPathStorage() {
+  static std::string path;
+  return path;
+}
+std::mutex init_mutex;
+Runtime* instance = nullptr;
+}  // namespace
+
+PJRT_Buffer_Type ToPjrtType(hlo::ElementType t) {
+  using E = hlo::ElementType;
+  switch (t) {
+    case E::kPred: return PJRT_Buffer_Type_PRED;
+    case E::kS8: return PJRT_Buffer_Type_S8;
+    case E::kS16: return PJRT_Buffer_Type_S16;
+    case E::kS32: return PJRT_Buffer_Type_S32;
+    case E::kS64: return PJRT_Buffer_Type_S64;
+    case E::kU8: return PJRT_Buffer_Type_U8;
+    case E::kU16: return PJRT_Buffer_Type_U16;
+    case E::kU32: return PJRT_Buffer_Type_U32;
+    case E::kU64: return PJRT_Buffer_Type_U64;
+    case E::kF16: return PJRT_Buffer_Type_F16;
+    case E::kBF16: return PJRT_Buffer_Type_BF16;
+    case E::kF32: return PJRT_Buffer_Type_F32;
+    case E::kF64: return PJRT_Buffer_Type_F64;
+    case E::kC64: return PJRT_Buffer_Type_C64;
+    case E::kC128: return PJRT_Buffer_Type_C128;
+  }
+  return PJRT_Buffer_Type_INVALID;
+}
+
+size_t ElementSize(hlo::ElementType t) {
+  int bits = hlo::BitWidth(t);
+  return bits == 1 ? 1 : static_cast<size_t>(bits / 8);
+}
+
+DeviceStorage::DeviceStorage(size_t nbytes, int device_index)
+    : nbytes_(nbytes), device_index_(device_index) {
+  Runtime::Get().OnAllocate(static_cast<int64_t>(nbytes));
+}
+
+DeviceStorage::~DeviceStorage() {
+  if (instance) instance->OnFree(static_cast<int64_t>(nbytes_));
+}
+
+const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element) {
+  if (current_.buffer) {
+    if (ElementSize(current_.element) != ElementSize(element))
+      throw std::runtime_error(std::string("tpu storage holds ") + std::string(hlo::MlirName(current_.element)) +
+                               " elements and cannot be read as " + std::string(hlo::MlirName(element)));
+    return current_;
+  }
+  int64_t numel = static_cast<int64_t>(nbytes_ / ElementSize(element));
+  std::vector<char> zeros(static_cast<size_t>(numel) * ElementSize(element), 0);
+  int64_t dims[] = {numel};
+  current_.buffer = Runtime::Get().Upload(zeros.data(), element, dims, device_index_);
+  current_.element = element;
+  current_.numel = numel;
+  current_.producer = "empty";
+  return current_;
+}
+
+void Runtime::SetPluginPath(std::string path) { PluginPathStorage() = std::move(path); }
+const std::string& Runtime::PluginPath() { return PluginPathStorage(); }
+bool Runtime::Initialized() { return instance != nullptr; }
+
+Runtime& Runtime::Get() {
+  if (instance) return *instance;
+  std::lock_guard<std::mutex> lock(init_mutex);
+  if (instance) return *instance;
+  std::string path = PluginPathStorage();
+  if (path.empty()) {
+    const char* env = std::getenv("TORCH_TPU_PJRT_PLUGIN");
+    if (env) path = env;
+  }
+  if (path.empty())
+    throw pjrt::Error("torch_tpu: no PJRT plugin configured (set TORCH_TPU_PJRT_PLUGIN or import torch_tpu)");
+  auto* rt = new Runtime();
+  auto plugin = pjrt::Plugin::Load(path);
+  rt->client_ = pjrt::Client::Create(plugin);
+  if (rt->client_->addressable_devices().empty())
+    throw pjrt::Error("torch_tpu: plugin " + path + " reports no addressable devices");
+  // PyTorch propagates NaN through max/min; the CPU plugin's fast min/max
+  // does not (DESIGN.md, "Facts from the field").
+  if (rt->client_->platform_name() == "cpu")
+    rt->compile_options_.env_option_overrides.emplace_back("xla_cpu_enable_fast_min_max", "false");
+  instance = rt;
+  return *instance;
+}
+
+const pjrt::Device& Runtime::device(int index) const {
+  const auto& devices = client_->addressable_devices();
+  if (index < 0 || index >= static_cast<int>(devices.size()))
+    throw std::out_of_range("tpu device index " + std::to_string(index) + " out of range (" +
+                            std::to_string(devices.size()) + " devices)");
+  return devices[static_cast<size_t>(index)];
+}
+
+std::shared_ptr<pjrt::Buffer> Runtime::Upload(const void* data, hlo::ElementType element,
+                                              std::span<const int64_t> dims, int device_index) {
+  int64_t n = 1;
+  for (int64_t d : dims) n *= d;
+  metrics_.host_to_device_bytes += n * static_cast<int64_t>(ElementSize(element));
+  return client_->BufferFromHost(data, ToPjrtType(element), dims, device(device_index));
+}
+
+void Runtime::Download(const StorageBuffer& buffer, void* dst, size_t nbytes) {
+  metrics_.device_to_host_bytes += static_cast<int64_t>(nbytes);
+  try {
+    buffer.buffer->ToHost(dst, nbytes);
+  } catch (const pjrt::Error& e) {
+    throw std::runtime_error("tpu: " + buffer.producer + " failed: " + e.what());
+  }
+}
+
+void Runtime::Track(std::unique_ptr<pjrt::Event> event, std::string op_name) {
+  std::lock_guard<std::mutex> lock(inflight_mutex_);
+  // Drop completed launches from the front so the queue stays short; a
+  // failed one stays for Sync() to report.
+  while (inflight_.size() > 64 && inflight_.front().first->IsReady()) {
+    try {
+      inflight_.front().first->Await();
+    } catch (const pjrt::Error&) {
+      break;
+    }
+    inflight_.pop_front();
+  }
+  inflight_.emplace_back(std::move(event), std::move(op_name));
+}
+
+void Runtime::Sync() {
+  std::deque<std::pair<std::unique_ptr<pjrt::Event>, std::string>> pending;
+  {
+    std::lock_guard<std::mutex> lock(inflight_mutex_);
+    pending.swap(inflight_);
+  }
+  std::string first_error;
+  for (auto& [event, name] : pending) {
+    try {
+      event->Await();
+    } catch (const pjrt::Error& e) {
+      if (first_error.empty()) first_error = "tpu: " + name + " failed: " + e.what();
+    }
+  }
+  if (!first_error.empty()) throw std::runtime_error(first_error);
+}
+
+void Runtime::OnAllocate(int64_t nbytes) {
+  int64_t now = allocated_ += nbytes;
+  ++num_allocs_;
+  int64_t peak = peak_.load();
+  while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+  }
+}
+
+void Runtime::OnFree(int64_t nbytes) { allocated_ -= nbytes; }
+
+}  // namespace torch_tpu::runtime

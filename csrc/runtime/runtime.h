@@ -1,0 +1,120 @@
+// torch_tpu runtime: the process-wide PJRT client, device storage, metrics
+// and in-flight execution tracking shared by every executor.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "hlo/builder.h"
+#include "pjrt/pjrt.h"
+
+namespace torch_tpu::runtime {
+
+// Counters reported by torch_tpu.metrics(). Times in nanoseconds, sizes in
+// bytes.
+struct Metrics {
+  std::atomic<int64_t> compiles{0};
+  std::atomic<int64_t> compile_time_ns{0};
+  std::atomic<int64_t> cache_hits{0};
+  std::atomic<int64_t> cache_misses{0};
+  std::atomic<int64_t> executions{0};
+  std::atomic<int64_t> host_to_device_bytes{0};
+  std::atomic<int64_t> device_to_host_bytes{0};
+  std::mutex fallback_mutex;
+  std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count
+};
+
+// A device buffer holding the whole contents of one storage: rank 1,
+// `numel` elements of `element`. The producer names the op that wrote it,
+// for errors that surface later.
+struct StorageBuffer {
+  std::shared_ptr<pjrt::Buffer> buffer;
+  hlo::ElementType element = hlo::ElementType::kF32;
+  int64_t numel = 0;
+  std::string producer;
+};
+
+// The object behind a `tpu` storage's data pointer. Owns the storage's
+// current PJRT buffer; writers swap in a new one (DESIGN.md, "Memory model").
+// An empty buffer means "never written": readers see zeros.
+class DeviceStorage {
+ public:
+  DeviceStorage(size_t nbytes, int device_index);
+  ~DeviceStorage();
+  DeviceStorage(const DeviceStorage&) = delete;
+  DeviceStorage& operator=(const DeviceStorage&) = delete;
+
+  size_t nbytes() const { return nbytes_; }
+  int device_index() const { return device_index_; }
+  const StorageBuffer& current() const { return current_; }
+  bool initialized() const { return current_.buffer != nullptr; }
+  void Set(StorageBuffer buffer) { current_ = std::move(buffer); }
+  // The buffer typed as `element`, creating a zero-filled one if the storage
+  // was never written. Throws if the storage holds another element type of a
+  // different width.
+  const StorageBuffer& Materialize(hlo::ElementType element);
+
+ private:
+  size_t nbytes_;
+  int device_index_;
+  StorageBuffer current_;
+};
+
+class Runtime {
+ public:
+  // The plugin to load; must be called before the first Get() to take
+  // effect (the Python package discovers it, DESIGN.md "Plugins").
+  static void SetPluginPath(std::string path);
+  static const std::string& PluginPath();
+  // Loads the plugin and creates the client on first use; throws
+  // pjrt::Error naming the plugin path on failure.
+  static Runtime& Get();
+  static bool Initialized();
+
+  pjrt::Client& client() { return *client_; }
+  int device_count() const { return static_cast<int>(client_->addressable_devices().size()); }
+  const pjrt::Device& device(int index) const;
+  const pjrt::CompileOptions& compile_options() const { return compile_options_; }
+  Metrics& metrics() { return metrics_; }
+
+  // Host data (dense, row-major) -> a new device buffer.
+  std::shared_ptr<pjrt::Buffer> Upload(const void* data, hlo::ElementType element,
+                                       std::span<const int64_t> dims, int device_index);
+  // Device buffer -> host, blocking; an execution error is rethrown naming
+  // `producer`.
+  void Download(const StorageBuffer& buffer, void* dst, size_t nbytes);
+
+  // In-flight executions: an event per launch, named by its op. Sync()
+  // waits for all and rethrows the first failure naming its op.
+  void Track(std::unique_ptr<pjrt::Event> event, std::string op_name);
+  void Sync();
+
+  // Memory accounting of live storages (bytes).
+  void OnAllocate(int64_t nbytes);
+  void OnFree(int64_t nbytes);
+  int64_t allocated_bytes() const { return allocated_.load(); }
+  int64_t peak_allocated_bytes() const { return peak_.load(); }
+  int64_t num_allocs() const { return num_allocs_.load(); }
+  void ResetPeak() { peak_.store(allocated_.load()); }
+
+ private:
+  Runtime() = default;
+  std::shared_ptr<pjrt::Client> client_;
+  pjrt::CompileOptions compile_options_;
+  Metrics metrics_;
+  std::mutex inflight_mutex_;
+  std::deque<std::pair<std::unique_ptr<pjrt::Event>, std::string>> inflight_;
+  std::atomic<int64_t> allocated_{0}, peak_{0}, num_allocs_{0};
+};
+
+// Element type <-> PJRT buffer type.
+PJRT_Buffer_Type ToPjrtType(hlo::ElementType t);
+size_t ElementSize(hlo::ElementType t);
+
+}  // namespace torch_tpu::runtime

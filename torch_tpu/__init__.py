@@ -1,0 +1,89 @@
+"""torch_tpu: PyTorch, unmodified, on XLA devices through the PJRT C API.
+
+Importing this package (which PyTorch does by itself through the
+``torch.backends`` entry point) registers the ``tpu`` device:
+``torch.device("tpu")``, ``tensor.to("tpu")``, ``torch.tpu.*`` and
+``torch.accelerator``. See DESIGN.md and docs/design.md.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+
+from . import _plugin
+from . import _C
+
+__version__ = "0.1.0"
+
+_C._set_plugin_path(_plugin.discover())
+
+if torch._C._get_privateuse1_backend_name() != "tpu":
+    torch.utils.rename_privateuse1_backend("tpu")
+
+from . import device as _device_module  # noqa: E402
+
+torch._register_device_module("tpu", _device_module)
+if not hasattr(torch.Tensor, "is_tpu"):
+    torch.utils.generate_methods_for_privateuse1_backend(
+        for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
+
+
+_PACKAGE_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules[__name__]))
+
+
+def _user_frame() -> str:
+    """``file:line (function)`` of the innermost caller outside torch and torch_tpu."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not filename.startswith(_PACKAGE_DIRS) and not filename.startswith("<frozen"):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return ""
+
+
+_C._set_user_frame_hook(_user_frame)
+
+EAGER_MODES = ("strict", "debug")
+
+
+def set_eager_mode(mode: str) -> None:
+    """Selects how tpu ops run: "strict" (default, asynchronous, one op at a
+    time) or "debug" (synchronous; index and NaN/Inf checks naming the op and
+    the user's source line). Raises ValueError for other names."""
+    if mode not in EAGER_MODES:
+        raise ValueError(f"unknown tpu eager mode {mode!r}; expected one of {EAGER_MODES}")
+    _C.set_eager_mode(mode)
+
+
+def get_eager_mode() -> str:
+    return _C.get_eager_mode()
+
+
+@contextlib.contextmanager
+def eager_mode(mode: str):
+    """``with torch_tpu.eager_mode("debug"): ...`` — the mode inside the block."""
+    previous = get_eager_mode()
+    set_eager_mode(mode)
+    try:
+        yield
+    finally:
+        set_eager_mode(previous)
+
+
+def metrics() -> dict:
+    """Counters since start: compiles (count, seconds), executable cache hits
+    and misses, executions, host<->device bytes, and CPU fallbacks by op."""
+    return dict(_C.metrics())
+
+
+def _autoload() -> None:
+    """Entry point named in the ``torch.backends`` group: importing this
+    module already registered the device."""
+
+
+__all__ = ["set_eager_mode", "get_eager_mode", "eager_mode", "metrics", "EAGER_MODES"]
