@@ -31,6 +31,27 @@ if not hasattr(torch.Tensor, "is_tpu"):
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
 
 
+def _install_print_hook() -> None:
+    """Formats tpu tensors from one host copy, as PyTorch does for "xla" and
+    "lazy" devices (torch/_tensor_str.py), instead of running the
+    formatter's dozen small ops (masked_select among them) on the device."""
+    import torch._tensor_str as tensor_str
+
+    original = tensor_str._tensor_str
+    if getattr(original, "_torch_tpu", False):
+        return
+
+    def _tensor_str(self, indent):
+        if self.device.type == "tpu":
+            self = self.to("cpu")
+        return original(self, indent)
+
+    _tensor_str._torch_tpu = True
+    tensor_str._tensor_str = _tensor_str
+
+
+_install_print_hook()
+
 _PACKAGE_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules[__name__]))
 

@@ -1,0 +1,100 @@
+"""Eager modes (strict, debug), their switches, and the executable cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch_tpu
+
+from conftest import run_python
+
+
+def test_default_mode_is_strict():
+    assert torch_tpu.get_eager_mode() == "strict"
+
+
+def test_set_and_context_manager():
+    torch_tpu.set_eager_mode("debug")
+    try:
+        assert torch_tpu.get_eager_mode() == "debug"
+    finally:
+        torch_tpu.set_eager_mode("strict")
+    with torch_tpu.eager_mode("debug"):
+        assert torch_tpu.get_eager_mode() == "debug"
+    assert torch_tpu.get_eager_mode() == "strict"
+    with pytest.raises(ValueError, match="fused|unknown"):
+        torch_tpu.set_eager_mode("nonsense")
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"TORCH_TPU_EAGER_MODE": "debug"}, "debug"),
+    ({"TORCH_TPU_EAGER_MODE": "strict"}, "strict"),
+    ({"TPU_LAUNCH_BLOCKING": "1"}, "debug"),
+])
+def test_mode_from_environment(env, expected):
+    r = run_python("import torch_tpu; print(torch_tpu.get_eager_mode())", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == expected
+
+
+@pytest.mark.parametrize("mode", ["strict", "debug"])
+def test_modes_give_cpu_values(mode):
+    x = torch.randn(8, 16)
+    w = torch.randn(16, 4)
+    with torch_tpu.eager_mode(mode):
+        y = torch.softmax(torch.tanh(x.to("tpu") @ w.to("tpu")) * 2 + 1, dim=-1)
+        got = y.cpu()
+    torch.testing.assert_close(got, torch.softmax(torch.tanh(x @ w) * 2 + 1, dim=-1))
+
+
+def test_debug_nan_names_op_and_line():
+    x = torch.tensor([1.0, -1.0], device="tpu")
+    with torch_tpu.eager_mode("debug"):
+        with pytest.raises(RuntimeError) as info:
+            torch.log(x)  # log(-1) = NaN
+    msg = str(info.value)
+    assert "aten::log" in msg and "NaN" in msg
+    assert "test_modes.py" in msg  # the user's source line
+
+
+def test_debug_inf_names_op():
+    x = torch.tensor([1.0, 0.0], device="tpu")
+    with torch_tpu.eager_mode("debug"):
+        with pytest.raises(RuntimeError, match="aten::div.*Inf"):
+            torch.ones(2, device="tpu") / x
+
+
+def test_strict_nan_is_a_value_like_cpu():
+    x = torch.tensor([1.0, -1.0])
+    torch.testing.assert_close(torch.log(x.to("tpu")).cpu(), torch.log(x), equal_nan=True)
+
+
+@pytest.mark.parametrize("call", [
+    lambda w, i: torch.index_select(w, 0, i),
+    lambda w, i: torch.nn.functional.embedding(i, w),
+    lambda w, i: torch.gather(w, 0, i.unsqueeze(1).expand(-1, 3)),
+    lambda w, i: w[i],
+], ids=["index_select", "embedding", "gather", "index"])
+def test_debug_index_out_of_range_raises_index_error(call):
+    w = torch.randn(5, 3, device="tpu")
+    bad = torch.tensor([0, 7], device="tpu")
+    with torch_tpu.eager_mode("debug"):
+        with pytest.raises(IndexError, match="out of bounds|out of range"):
+            call(w, bad).cpu()
+        ok = torch.tensor([0, 4, -1], device="tpu")
+        torch.testing.assert_close(call(w, ok).cpu(), call(w.cpu(), ok.cpu()))
+
+
+def test_repeated_op_hits_cache_and_scalars_do_not_recompile():
+    x = torch.randn(32, device="tpu")
+    y = torch.randn(32, device="tpu")
+    torch.add(x, y, alpha=0.5).cpu()
+    before = torch_tpu.metrics()
+    for alpha in (0.1, 0.2, 0.3, 0.4):
+        x.add_(y, alpha=alpha)        # alpha changes: a runtime input, not a new program
+        x.mul_(1.0 + alpha)
+    x.cpu()
+    after = torch_tpu.metrics()
+    assert after["compiles"] - before["compiles"] <= 2  # add_ and mul_ once each at most
+    assert after["cache_hits"] - before["cache_hits"] >= 6
+    ref = torch.randn(32)
+    assert ref.shape == x.shape
