@@ -58,8 +58,35 @@ void RunOnCpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std
   at::native::cpu_fallback(op, stack);
 }
 
+// Index lists (Tensor?[]) may hold CPU tensors, as on CUDA: move them.
+void MoveCpuIndicesToDevice(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  for (size_t i = 0; i < args.size(); ++i) {
+    c10::IValue& v = (*stack)[first + i];
+    if (!v.isList() || v.isTensorList() || v.isIntList() || v.isDoubleList() || v.isBoolList()) continue;
+    const auto& list = v.toListRef();
+    bool has_cpu = false;
+    c10::Device device(kTpu, CurrentDevice());
+    for (const auto& x : list) {
+      if (x.isTensor() && x.toTensor().defined()) {
+        if (x.toTensor().device().type() == kTpu) device = x.toTensor().device();
+        else has_cpu |= x.toTensor().dim() > 0 && x.toTensor().is_cpu();
+      }
+    }
+    if (!has_cpu) continue;
+    c10::List<std::optional<at::Tensor>> moved;
+    for (const auto& x : list) {
+      if (x.isTensor() && x.toTensor().defined()) moved.push_back(x.toTensor().to(device));
+      else moved.push_back(std::nullopt);
+    }
+    v = moved;
+  }
+}
+
 void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const lowering::LoweringEntry* entry = EntryFor(op);
+  if (entry) MoveCpuIndicesToDevice(op, stack);
   if (!entry) return RunOnCpu(op, stack, "no lowering");
   try {
     runtime::RunOp(op, stack, *entry);
@@ -71,5 +98,32 @@ void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&TpuBoxedKernel>()); }
+
+void RegisterLoweredOpsDirectly() {
+  // Ops with a lowering get the boxed kernel registered for the tpu key
+  // itself, ahead of the CompositeExplicitAutograd(NonFunctional) kernels
+  // that would otherwise run first: for structured ops those compute the
+  // meta result and allocate the output on every call, then call the out=
+  // variant. Ops with a CompositeImplicitAutograd kernel keep it (their
+  // autograd comes from the decomposition), and copy_ keeps PyTorch's kernel
+  // (it routes host<->device copies to _copy_from).
+  static torch::Library* library = nullptr;
+  if (library) return;
+  library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto handle = dispatcher.findOp(name);
+    if (!handle || !handle->hasSchema()) continue;
+    std::string base = runtime::BaseName(handle->schema());
+    if (base == "copy" || !lowering::FindLowering(base)) continue;
+    if (handle->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+        handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
+      continue;
+    std::string qualified = name.name.substr(6);
+    if (!name.overload_name.empty()) qualified += "." + name.overload_name;
+    library->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&TpuBoxedKernel>());
+  }
+}
 
 }  // namespace torch_tpu::aten

@@ -19,4 +19,8 @@ c10::DeviceIndex DeviceCount();
 const at::Generator& DefaultGenerator(c10::DeviceIndex index);
 at::Generator NewGenerator(c10::DeviceIndex index);
 
+// fallback.cpp: registers the boxed kernel directly for every ATen op that
+// has a lowering (called once when torch_tpu._C loads).
+void RegisterLoweredOpsDirectly();
+
 }  // namespace torch_tpu::aten

@@ -149,13 +149,13 @@ void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& 
   atoms.push_back(ids.Id(&StorageOf(t)));
 }
 
-OpKey BuildKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
-               const lowering::LoweringEntry& entry) {
+// Fills `key` (reusing its storage: this runs for every op).
+void BuildKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+              const lowering::LoweringEntry& entry, OpKey& key) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
-  OpKey key;
   key.op = &schema;
-  key.atoms.reserve(32);
+  key.atoms.clear();
   StorageIds ids;
   bool has_f64 = CallHasF64(stack, first, args.size());
   for (size_t i = 0; i < args.size(); ++i) {
@@ -205,7 +205,6 @@ OpKey BuildKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, si
   size_t h = std::hash<const void*>()(key.op);
   for (int64_t a : key.atoms) h = c10::hash_combine(h, std::hash<int64_t>()(a));
   key.hash = h;
-  return key;
 }
 
 lowering::ViewLayout LayoutOf(const at::Tensor& t) {
@@ -543,7 +542,8 @@ const CompiledOp& OpCache::Lookup(const c10::OperatorHandle& op, const torch::ji
                                   const lowering::LoweringEntry& entry) {
   size_t num_args = op.schema().arguments().size();
   size_t first = stack.size() - num_args;
-  OpKey key = BuildKey(op, stack, first, entry);
+  thread_local OpKey key;
+  BuildKey(op, stack, first, entry, key);
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = map_.find(key);
   auto& metrics = Runtime::Get().metrics();
@@ -553,7 +553,7 @@ const CompiledOp& OpCache::Lookup(const c10::OperatorHandle& op, const torch::ji
   }
   metrics.cache_misses++;
   auto compiled = Compile(op, stack, first, entry);
-  auto [pos, inserted] = map_.emplace(std::move(key), std::move(compiled));
+  auto [pos, inserted] = map_.emplace(key, std::move(compiled));
   return *pos->second;
 }
 
@@ -610,9 +610,9 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
     if (s.kind == InputSlot::Kind::kScalar) {
       const c10::IValue& v = stack[first + static_cast<size_t>(s.arg)];
       c10::Scalar scalar = v.isTensor() ? v.toTensor().item() : v.toScalar();
-      alignas(16) char bytes[16];
+      alignas(16) char bytes[16] = {};
       ScalarToBytes(scalar, s.element, bytes);
-      temps.push_back(rt.Upload(bytes, s.element, {}, device_index));
+      temps.push_back(rt.ScalarBuffer(bytes, s.element, device_index));
       arg_buffers[i] = temps.back().get();
     } else if (s.kind == InputSlot::Kind::kRng) {
       at::Generator gen;

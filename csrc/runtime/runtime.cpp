@@ -1,6 +1,7 @@
 #include "runtime/runtime.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace torch_tpu::runtime {
@@ -108,6 +109,19 @@ std::shared_ptr<pjrt::Buffer> Runtime::Upload(const void* data, hlo::ElementType
   for (int64_t d : dims) n *= d;
   metrics_.host_to_device_bytes += n * static_cast<int64_t>(ElementSize(element));
   return client_->BufferFromHost(data, ToPjrtType(element), dims, device(device_index));
+}
+
+std::shared_ptr<pjrt::Buffer> Runtime::ScalarBuffer(const void* bytes, hlo::ElementType element,
+                                                    int device_index) {
+  ScalarKey key{0, element, device_index};
+  std::memcpy(&key.bits, bytes, ElementSize(element));
+  std::lock_guard<std::mutex> lock(scalar_mutex_);
+  for (auto it = scalars_.rbegin(); it != scalars_.rend(); ++it)
+    if (it->first == key) return it->second;
+  constexpr size_t kMaxScalars = 64;
+  if (scalars_.size() >= kMaxScalars) scalars_.erase(scalars_.begin());
+  scalars_.emplace_back(key, Upload(bytes, element, {}, device_index));
+  return scalars_.back().second;
 }
 
 void Runtime::Download(const StorageBuffer& buffer, void* dst, size_t nbytes) {

@@ -86,6 +86,11 @@ class Runtime {
   // Host data (dense, row-major) -> a new device buffer.
   std::shared_ptr<pjrt::Buffer> Upload(const void* data, hlo::ElementType element,
                                        std::span<const int64_t> dims, int device_index);
+  // A 0-d device buffer holding `bytes` (the value's bit pattern): buffers
+  // are immutable, so recent ones are shared (learning rates, alpha=1 and
+  // other repeated scalars cost no transfer).
+  std::shared_ptr<pjrt::Buffer> ScalarBuffer(const void* bytes, hlo::ElementType element, int device_index);
+
   // Device buffer -> host, blocking; an execution error is rethrown naming
   // `producer`.
   void Download(const StorageBuffer& buffer, void* dst, size_t nbytes);
@@ -108,6 +113,14 @@ class Runtime {
   std::shared_ptr<pjrt::Client> client_;
   pjrt::CompileOptions compile_options_;
   Metrics metrics_;
+  struct ScalarKey {
+    uint64_t bits;
+    hlo::ElementType element;
+    int device;
+    bool operator==(const ScalarKey&) const = default;
+  };
+  std::mutex scalar_mutex_;
+  std::vector<std::pair<ScalarKey, std::shared_ptr<pjrt::Buffer>>> scalars_;  // most recent last
   std::mutex inflight_mutex_;
   std::deque<std::pair<std::unique_ptr<pjrt::Event>, std::string>> inflight_;
   std::atomic<int64_t> allocated_{0}, peak_{0}, num_allocs_{0};
