@@ -7,6 +7,14 @@ Importing this package (which PyTorch does by itself through the
 """
 from __future__ import annotations
 
+
+def _autoload() -> None:
+    """Entry point named in the ``torch.backends`` group. Defined before
+    ``import torch`` so that `import torch_tpu` as a first import works:
+    torch then loads this entry point from the partly imported module, and
+    the registration below runs once torch has finished importing."""
+
+
 import contextlib
 import os
 import sys
@@ -100,11 +108,6 @@ def metrics() -> dict:
     """Counters since start: compiles (count, seconds), executable cache hits
     and misses, executions, host<->device bytes, and CPU fallbacks by op."""
     return dict(_C.metrics())
-
-
-def _autoload() -> None:
-    """Entry point named in the ``torch.backends`` group: importing this
-    module already registered the device."""
 
 
 __all__ = ["set_eager_mode", "get_eager_mode", "eager_mode", "metrics", "EAGER_MODES"]

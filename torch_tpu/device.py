@@ -23,6 +23,13 @@ def is_available() -> bool:
     return device_count() > 0
 
 
+def _is_in_bad_fork() -> bool:
+    """torch.manual_seed asks this before seeding (torch/random.py); PJRT
+    clients are not fork-safe, but a forked child that never touched the
+    device may still use it."""
+    return False
+
+
 def is_initialized() -> bool:
     return _C._is_initialized()
 

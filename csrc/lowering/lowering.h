@@ -106,12 +106,14 @@ using LowerFn = std::vector<hlo::Value> (*)(LoweringContext& ctx);
 
 // Bounds check that the debug executor runs before an indexing op:
 // every value of tensor argument `index` (or each tensor of a list) must lie
-// in [-n, n) where n = size of argument `source` along dimension `dim_arg`
-// (an int argument; empty = dimension 0, or for lists the list position).
+// in [0, n) — or [-n, n) where `allow_negative` (advanced indexing) — where
+// n = size of argument `source` along dimension `dim_arg` (an int argument;
+// empty = dimension 0, or for lists the list position), as on CPU.
 struct IndexCheck {
   std::string_view index;
   std::string_view source;
   std::string_view dim_arg;
+  bool allow_negative = false;
 };
 
 struct LoweringTraits {

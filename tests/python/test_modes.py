@@ -80,8 +80,17 @@ def test_debug_index_out_of_range_raises_index_error(call):
     with torch_tpu.eager_mode("debug"):
         with pytest.raises(IndexError, match="out of bounds|out of range"):
             call(w, bad).cpu()
-        ok = torch.tensor([0, 4, -1], device="tpu")
+        ok = torch.tensor([0, 4, 2], device="tpu")
         torch.testing.assert_close(call(w, ok).cpu(), call(w.cpu(), ok.cpu()))
+
+
+def test_debug_negative_index_rules_match_cpu():
+    w = torch.randn(5, 3)
+    i = torch.tensor([-1, 2])
+    with torch_tpu.eager_mode("debug"):
+        torch.testing.assert_close(w.to("tpu")[i.to("tpu")].cpu(), w[i])  # advanced indexing wraps
+        with pytest.raises(IndexError):
+            torch.index_select(w.to("tpu"), 0, i.to("tpu"))  # CPU rejects negative indices here
 
 
 def test_repeated_op_hits_cache_and_scalars_do_not_recompile():
