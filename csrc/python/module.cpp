@@ -9,6 +9,7 @@
 #include "aten/tpu.h"
 #include "lowering/lowering.h"
 #include "runtime/compiled_op.h"
+#include "runtime/disk_cache.h"
 #include "runtime/executor.h"
 #include "runtime/runtime.h"
 
@@ -34,6 +35,12 @@ py::dict Metrics() {
   }
   d["cpu_fallbacks"] = fallbacks;
   d["cached_executables"] = torch_tpu::runtime::GlobalOpCache().size();
+  auto& disk = torch_tpu::runtime::DiskCache::Get().stats();
+  d["disk_cache_hits"] = disk.hits.load();
+  d["disk_cache_misses"] = disk.misses.load();
+  d["disk_cache_writes"] = disk.writes.load();
+  d["disk_cache_errors"] = disk.errors.load();
+  d["disk_cache_evictions"] = disk.evictions.load();
   return d;
 }
 
@@ -97,6 +104,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("reset_peak_memory_stats", [] { Runtime::Get().ResetPeak(); });
   m.def("memory_stats", &MemoryStats);
   m.def("metrics", &Metrics);
+  m.def("cache_dir", [] { return torch_tpu::runtime::DiskCache::Get().directory(); });
+  m.def("cache_max_bytes", [] { return torch_tpu::runtime::DiskCache::Get().max_bytes(); });
   m.def("clear_executable_cache", [] { torch_tpu::runtime::GlobalOpCache().Clear(); });
   m.def("lowered_ops", [] {
     std::vector<std::string> names;

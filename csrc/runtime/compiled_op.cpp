@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/native/Resize.h>
 #include <c10/core/GeneratorImpl.h>
 #include <c10/util/hash.h>
 
@@ -11,6 +12,7 @@
 #include <iostream>
 
 #include "lowering/helpers.h"
+#include "runtime/disk_cache.h"
 
 namespace torch_tpu::runtime {
 namespace {
@@ -270,12 +272,23 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   bool has_f64 = CallHasF64(stack, first, args.size());
 
   // 1. Output specs from PyTorch's meta kernels.
+  // CPU 0-d tensors stay on the CPU for type promotion; meta kernels that
+  // insist on one device get a second try with them on meta too.
   torch::jit::Stack meta_stack;
-  for (size_t i = 0; i < args.size(); ++i) meta_stack.push_back(ToMetaValue(stack[first + i]));
-  try {
-    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &meta_stack);
-  } catch (const std::exception& e) {
-    throw UnsupportedOp(std::string("no meta kernel result: ") + e.what());
+  for (int attempt = 0;; ++attempt) {
+    meta_stack.clear();
+    for (size_t i = 0; i < args.size(); ++i) {
+      const c10::IValue& v = stack[first + i];
+      meta_stack.push_back(attempt == 1 && v.isTensor() && v.toTensor().defined() && v.toTensor().is_cpu()
+                               ? c10::IValue(ToMeta(v.toTensor()))
+                               : ToMetaValue(v));
+    }
+    try {
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &meta_stack);
+      break;
+    } catch (const std::exception& e) {
+      if (attempt == 1) throw UnsupportedOp(std::string("no meta kernel result: ") + e.what());
+    }
   }
   const auto& returns = schema.returns();
   if (meta_stack.size() != returns.size()) throw UnsupportedOp("unexpected meta result count");
@@ -419,14 +432,19 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     const at::Tensor& mt = meta_stack[r].toTensor();
     ctx.outputs.push_back({mt.scalar_type(), mt.sizes().vec()});
   }
-  // out= tensors must already have the meta result's sizes (the boxed kernel
-  // resizes them before calling us).
+  // out= tensors of other sizes are resized as PyTorch's resize_output does
+  // (the launch repeats it on every call that shares this key).
   for (size_t r = 0; r < returns.size(); ++r) {
     if (return_alias[r] < 0) continue;
     const at::Tensor& target = stack[first + static_cast<size_t>(return_alias[r])].toTensor();
-    if (target.sizes() != ctx.outputs[r].sizes)
-      throw UnsupportedOp("out= tensor has sizes " + c10::str(target.sizes()) + " but the result has " +
-                          c10::str(ctx.outputs[r].sizes));
+    if (target.sizes() != ctx.outputs[r].sizes) {
+      bool is_out = std::find(out_args.begin(), out_args.end(), return_alias[r]) != out_args.end();
+      if (!is_out)
+        throw UnsupportedOp("in-place result has sizes " + c10::str(ctx.outputs[r].sizes) + " but the tensor has " +
+                            c10::str(target.sizes()));
+      at::native::resize_output(target, ctx.outputs[r].sizes);
+      compiled->resize_outputs.emplace_back(return_alias[r], ctx.outputs[r].sizes);
+    }
     ctx.outputs[r].dtype = target.scalar_type();
   }
 
@@ -497,7 +515,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   auto& rt = Runtime::Get();
   auto start = std::chrono::steady_clock::now();
   try {
-    compiled->executable = rt.client().Compile(compiled->module_text, PortableOptions());
+    compiled->executable = DiskCache::Get().LoadOrCompile(rt.client(), compiled->module_text, PortableOptions());
   } catch (const pjrt::Error& e) {
     throw std::runtime_error("tpu: compiling " + compiled->name + " failed: " + e.what() +
                              "\nmodule:\n" + compiled->module_text);
@@ -580,6 +598,8 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
     if (s.item < 0) return v.toTensor();
     return v.toListRef()[static_cast<size_t>(s.item)].toTensor();
   };
+  for (const auto& [arg, sizes] : op.resize_outputs)
+    at::native::resize_output(stack[first + static_cast<size_t>(arg)].toTensor(), sizes);
   int device_index = -1;
   constexpr size_t kMaxInline = 16;
   pjrt::Buffer* inline_args[kMaxInline];

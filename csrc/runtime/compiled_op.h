@@ -74,6 +74,8 @@ struct CompiledOp {
   std::vector<OutputSlot> outputs;
   std::vector<ReturnSlot> returns;
   int64_t rng_increment = 0;
+  // out= arguments resized (to these sizes) before each launch.
+  std::vector<std::pair<int16_t, std::vector<int64_t>>> resize_outputs;
   std::string module_text;  // kept for TORCH_TPU_DUMP_HLO and errors
 };
 

@@ -1,0 +1,71 @@
+// torch_tpu on-disk executable cache (DESIGN.md, "Executable cache").
+//
+// Entries are serialized PJRT executables, one file each, named by the SHA-1
+// of their key. The key is the full text of what determines the executable:
+// the StableHLO module, the serialized compile options, the plugin's
+// platform, version and attributes, the PJRT API version and the torch_tpu
+// version. The key is stored in the entry and compared in full on load, so a
+// hash collision can cost a compile but never return a wrong executable.
+//
+// File layout: "TTPUEXE1\n", u64 key length, key bytes, u64 payload length,
+// payload bytes, 40 hex characters of the payload's SHA-1.
+// Writes go to a unique temporary file in the same directory, then rename(2)
+// it over the entry: readers never see a partial entry and two processes
+// writing the same entry both succeed (the last rename wins; both are valid).
+// A corrupt, truncated or mismatched entry is reported with a warning,
+// recompiled and replaced, never fatal. The directory is bounded in size
+// (TORCH_TPU_CACHE_MAX_BYTES, default 2 GiB): after a write, the least
+// recently used entries (by modification time, touched on every hit) are
+// removed until the total fits.
+//
+// Location: TORCH_TPU_CACHE_DIR, else $XDG_CACHE_HOME/torch_tpu, else
+// ~/.cache/torch_tpu. TORCH_TPU_CACHE_DIR="" (empty) disables the cache.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "pjrt/pjrt.h"
+
+namespace torch_tpu::runtime {
+
+struct DiskCacheStats {
+  std::atomic<int64_t> hits{0}, misses{0}, writes{0}, errors{0}, evictions{0};
+};
+
+class DiskCache {
+ public:
+  // The process-wide cache (directory from the environment).
+  static DiskCache& Get();
+  explicit DiskCache(std::string directory, int64_t max_bytes);
+
+  bool enabled() const { return !directory_.empty(); }
+  const std::string& directory() const { return directory_; }
+  int64_t max_bytes() const { return max_bytes_; }
+  DiskCacheStats& stats() { return stats_; }
+
+  // Loads the executable for `module_text` compiled with `options`, or
+  // compiles it (and stores it). Never throws for cache problems; compile
+  // errors propagate.
+  std::unique_ptr<pjrt::Executable> LoadOrCompile(pjrt::Client& client, std::string_view module_text,
+                                                  const pjrt::CompileOptions& options);
+
+  // The full key text of a module (exposed for tests).
+  static std::string Key(pjrt::Client& client, std::string_view module_text,
+                         const pjrt::CompileOptions& options);
+
+ private:
+  std::string EntryPath(const std::string& key) const;
+  std::unique_ptr<pjrt::Executable> Load(pjrt::Client& client, const std::string& path, const std::string& key);
+  void Store(const std::string& path, const std::string& key, const std::string& payload);
+  void Evict();
+
+  std::string directory_;
+  int64_t max_bytes_;
+  DiskCacheStats stats_;
+};
+
+}  // namespace torch_tpu::runtime
