@@ -23,6 +23,7 @@ import torch
 
 from . import _plugin
 from . import _C
+from . import _cache  # noqa: F401  (saves cache counters at exit)
 
 __version__ = "0.1.0"
 

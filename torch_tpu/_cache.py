@@ -1,0 +1,100 @@
+"""The on-disk executable cache as seen from Python: location, entries,
+size, and hit/miss counters accumulated across processes (``stats.json`` in
+the cache directory, updated under a file lock when a process exits)."""
+from __future__ import annotations
+
+import atexit
+import fcntl
+import json
+import os
+import tempfile
+
+from . import _C
+
+_STATS = "stats.json"
+_KEYS = ("hits", "misses", "writes", "errors", "evictions")
+
+
+def directory() -> str:
+    """The cache directory; "" when the cache is disabled (TORCH_TPU_CACHE_DIR="")."""
+    return _C.cache_dir()
+
+
+def entries() -> list[tuple[str, int]]:
+    """(file name, size in bytes) of every cache entry."""
+    d = directory()
+    if not d or not os.path.isdir(d):
+        return []
+    out = []
+    for name in sorted(os.listdir(d)):
+        if name.endswith(".pjrt"):
+            try:
+                out.append((name, os.path.getsize(os.path.join(d, name))))
+            except OSError:
+                pass
+    return out
+
+
+def _process_counts() -> dict:
+    m = _C.metrics()
+    return {k: int(m[f"disk_cache_{k}"]) for k in _KEYS}
+
+
+def read_stats() -> dict:
+    """Counters of every process that used this cache directory, including this one."""
+    totals = {k: 0 for k in _KEYS}
+    d = directory()
+    path = os.path.join(d, _STATS) if d else ""
+    if path and os.path.exists(path):
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+            totals.update({k: int(saved.get(k, 0)) for k in _KEYS})
+        except (OSError, ValueError):
+            pass
+    for k, v in _process_counts().items():
+        totals[k] += v
+    return totals
+
+
+def _save_stats() -> None:
+    d = directory()
+    counts = _process_counts()
+    if not d or not any(counts.values()) or not os.path.isdir(d):
+        return
+    path = os.path.join(d, _STATS)
+    try:
+        with open(os.path.join(d, ".stats.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            saved = {}
+            if os.path.exists(path):
+                try:
+                    with open(path) as f:
+                        saved = json.load(f)
+                except ValueError:
+                    saved = {}
+            merged = {k: int(saved.get(k, 0)) + counts[k] for k in _KEYS}
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=".stats.")
+            with os.fdopen(fd, "w") as f:
+                json.dump(merged, f)
+            os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def clear() -> int:
+    """Removes every entry and the counters; returns the number of entries removed."""
+    d = directory()
+    removed = 0
+    for name, _ in entries():
+        try:
+            os.remove(os.path.join(d, name))
+            removed += 1
+        except OSError:
+            pass
+    if d and os.path.exists(os.path.join(d, _STATS)):
+        os.remove(os.path.join(d, _STATS))
+    return removed
+
+
+atexit.register(_save_stats)
