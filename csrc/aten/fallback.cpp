@@ -39,6 +39,7 @@ const lowering::LoweringEntry* EntryFor(const c10::OperatorHandle& op) {
   auto it = entries.find(key);
   if (it != entries.end()) return it->second;
   const auto* entry = lowering::FindLowering(runtime::BaseName(op.schema()));
+  if (entry && entry->traits.is_view) entry = nullptr;  // eager views are metadata only
   entries.emplace(key, entry);
   return entry;
 }
@@ -116,7 +117,12 @@ void RegisterLoweredOpsDirectly() {
     auto handle = dispatcher.findOp(name);
     if (!handle || !handle->hasSchema()) continue;
     std::string base = runtime::BaseName(handle->schema());
-    if (base == "copy" || !lowering::FindLowering(base)) continue;
+    const lowering::LoweringEntry* entry = lowering::FindLowering(base);
+    if (base == "copy" || !entry || entry->traits.is_view) continue;
+    bool returns_view = false;
+    for (const auto& r : handle->schema().returns())
+      returns_view |= r.alias_info() != nullptr && !r.alias_info()->isWrite();
+    if (returns_view) continue;
     if (handle->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
         handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
       continue;

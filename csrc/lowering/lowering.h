@@ -118,6 +118,10 @@ struct IndexCheck {
 
 struct LoweringTraits {
   bool needs_rng = false;
+  // A view op (view, permute, slice, ...): eager tpu tensors never reach it
+  // (views are metadata over a shared storage), but whole-graph lowering
+  // (fused regions, torch.compile) computes views as values.
+  bool is_view = false;
   // Scalar arguments are compiled in as constants (part of the cache key)
   // instead of runtime inputs: for ops whose output shape depends on them
   // (arange).
