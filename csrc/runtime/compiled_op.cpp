@@ -77,6 +77,13 @@ bool CallHasF64(const torch::jit::Stack& stack, size_t first, size_t n) {
   return false;
 }
 
+bool IsTensorListValue(const c10::IValue& v) {
+  if (v.isTensorList()) return true;
+  if (!v.isList() || v.isIntList() || v.isDoubleList() || v.isBoolList()) return false;
+  const auto& list = v.toListRef();
+  return !list.empty() && (list[0].isTensor() || list[0].isNone());
+}
+
 // Appends a static argument's value to the key; throws UnsupportedOp for
 // values that cannot be part of a key.
 void AppendStatic(std::vector<int64_t>& atoms, const c10::IValue& v) {
@@ -238,7 +245,7 @@ c10::IValue ToMetaValue(const c10::IValue& v) {
     if (!tensors) return v;
     c10::List<std::optional<at::Tensor>> out;
     for (const auto& x : list) {
-      if (x.isNone()) out.push_back(std::nullopt);
+      if (x.isNone() || !x.toTensor().defined()) out.push_back(std::nullopt);
       else out.push_back(ToMeta(x.toTensor()));
     }
     return out;
@@ -262,16 +269,11 @@ bool DumpHlo() {
   return dump;
 }
 
-std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
-                                    size_t first, const lowering::LoweringEntry& entry) {
+}  // namespace
+
+CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
-  auto compiled = std::make_unique<CompiledOp>();
-  compiled->entry = &entry;
-  compiled->name = schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
-  bool has_f64 = CallHasF64(stack, first, args.size());
-
-  // 1. Output specs from PyTorch's meta kernels.
   // CPU 0-d tensors stay on the CPU for type promotion; meta kernels that
   // insist on one device get a second try with them on meta too.
   torch::jit::Stack meta_stack;
@@ -293,65 +295,127 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   const auto& returns = schema.returns();
   if (meta_stack.size() != returns.size()) throw UnsupportedOp("unexpected meta result count");
 
-  hlo::Builder b;
-  lowering::LoweringContext ctx(b, schema);
-
-  // 2. Arguments: storage parameters are created on first read.
-  struct StorageParam {
-    const DeviceStorage* storage;
-    int16_t arg, item;
-    hlo::ElementType element;
-    int64_t numel;
-    std::optional<hlo::Value> param;   // the flat storage as read
-    std::optional<hlo::Value> current; // the flat storage after writes
-  };
-  std::vector<StorageParam> storages;
-  auto storage_for = [&](const at::Tensor& t, int16_t arg, int16_t item) -> StorageParam& {
-    const DeviceStorage* s = &StorageOf(t);
-    for (auto& sp : storages)
-      if (sp.storage == s) return sp;
-    storages.push_back({s, arg, item, StorageElement(t), StorageNumel(t), std::nullopt, std::nullopt});
-    return storages.back();
-  };
-  auto read_flat = [&](StorageParam& sp) -> hlo::Value {
-    if (sp.current) return *sp.current;
-    if (!sp.param) {
-      sp.param = b.Parameter(hlo::TensorType{sp.element, {sp.numel}});
-      compiled->inputs.push_back({InputSlot::Kind::kStorage, sp.arg, sp.item, sp.element});
-    }
-    return *sp.param;
-  };
-  auto read_tensor = [&](const at::Tensor& t, int16_t arg, int16_t item) -> hlo::Value {
-    StorageParam& sp = storage_for(t, arg, item);
-    hlo::Value flat = read_flat(sp);
-    hlo::ElementType want = lowering::ToElementType(t.scalar_type());
-    if (flat.element() != want) flat = b.BitcastConvert(flat, want);
-    return lowering::ReadView(b, flat, LayoutOf(t));
-  };
-  auto write_tensor = [&](const at::Tensor& t, int16_t arg, int16_t item, hlo::Value value) {
-    StorageParam& sp = storage_for(t, arg, item);
-    value = lowering::Prepare(b, value, t.scalar_type(), t.sizes().vec());
-    if (value.element() != sp.element) value = b.BitcastConvert(value, sp.element);
-    auto layout = LayoutOf(t);
-    int64_t numel = t.numel();
-    bool covers_all = t.is_contiguous() && t.storage_offset() == 0 && numel == sp.numel;
-    if (covers_all && !sp.current && !sp.param) {
-      int64_t dims[] = {numel};
-      sp.current = b.Reshape(value, dims);
-    } else {
-      sp.current = lowering::WriteView(b, read_flat(sp), layout, value);
-    }
-  };
-
   std::vector<int16_t> out_args;
+  for (size_t i = 0; i < args.size(); ++i)
+    if (IsOutArg(args[i])) out_args.push_back(static_cast<int16_t>(i));
+  CallSpec spec;
+  spec.return_alias.assign(returns.size(), -1);
+  size_t next_out = 0;
+  for (size_t r = 0; r < returns.size(); ++r) {
+    const auto& ret = returns[r];
+    if (ret.type()->kind() != c10::TypeKind::TensorType)
+      throw UnsupportedOp("returns a " + ret.type()->str() + ", not a Tensor");
+    if (ret.alias_info()) {
+      for (size_t i = 0; i < args.size(); ++i) {  // the argument with the same alias set
+        const auto* ai = args[i].alias_info();
+        if (ai && ai->isWrite() && ai->beforeSets() == ret.alias_info()->beforeSets()) {
+          spec.return_alias[r] = static_cast<int16_t>(i);
+          break;
+        }
+      }
+      if (spec.return_alias[r] < 0 && next_out < out_args.size()) spec.return_alias[r] = out_args[next_out++];
+      if (spec.return_alias[r] < 0) throw UnsupportedOp("returns a view of an input");
+    }
+    const at::Tensor& mt = meta_stack[r].toTensor();
+    spec.defined.push_back(mt.defined());
+    if (mt.defined()) spec.outputs.push_back({mt.scalar_type(), mt.sizes().vec()});
+    else spec.outputs.push_back({at::kFloat, {}});  // placeholder: the lowering's value is dropped
+  }
+  // out= tensors of other sizes are resized as PyTorch's resize_output does
+  // (before every launch that shares the key).
+  for (size_t r = 0; r < returns.size(); ++r) {
+    int16_t a = spec.return_alias[r];
+    if (a < 0) continue;
+    const at::Tensor& target = stack[first + static_cast<size_t>(a)].toTensor();
+    if (target.sizes() != spec.outputs[r].sizes) {
+      if (std::find(out_args.begin(), out_args.end(), a) == out_args.end())
+        throw UnsupportedOp("in-place result has sizes " + c10::str(spec.outputs[r].sizes) +
+                            " but the tensor has " + c10::str(target.sizes()));
+      spec.resize_outputs.emplace_back(a, spec.outputs[r].sizes);
+    }
+    spec.outputs[r].dtype = target.scalar_type();
+  }
+  return spec;
+}
+
+void ApplyResizes(const CallSpec& spec, const torch::jit::Stack& stack, size_t first) {
+  for (const auto& [arg, sizes] : spec.resize_outputs)
+    at::native::resize_output(stack[first + static_cast<size_t>(arg)].toTensor(), sizes);
+}
+
+ProgramBuilder::StorageState& ProgramBuilder::StateFor(const at::Tensor& t, const InputSlot& use) {
+  const DeviceStorage* s = &StorageOf(t);
+  for (auto& st : storages)
+    if (st.storage == s) return st;
+  storages.push_back({s, use, StorageElement(t), StorageNumel(t), std::nullopt, std::nullopt});
+  return storages.back();
+}
+
+hlo::Value ProgramBuilder::ReadFlat(StorageState& st) {
+  if (st.current) return *st.current;
+  if (!st.param) {
+    st.param = b.Parameter(hlo::TensorType{st.element, {st.numel}});
+    InputSlot slot = st.first_use;
+    slot.kind = InputSlot::Kind::kStorage;
+    slot.element = st.element;
+    inputs.push_back(slot);
+  }
+  return *st.param;
+}
+
+hlo::Value ProgramBuilder::ReadTensor(const at::Tensor& t, const InputSlot& use) {
+  StorageState& st = StateFor(t, use);
+  hlo::Value flat = ReadFlat(st);
+  hlo::ElementType want = lowering::ToElementType(t.scalar_type());
+  if (flat.element() != want) flat = b.BitcastConvert(flat, want);
+  return lowering::ReadView(b, flat, LayoutOf(t));
+}
+
+void ProgramBuilder::WriteTensor(const at::Tensor& t, const InputSlot& use, hlo::Value value) {
+  StorageState& st = StateFor(t, use);
+  value = lowering::Prepare(b, value, t.scalar_type(), t.sizes().vec());
+  if (value.element() != st.element) value = b.BitcastConvert(value, st.element);
+  int64_t numel = t.numel();
+  bool covers_all = t.is_contiguous() && t.storage_offset() == 0 && numel == st.numel;
+  if (covers_all && !st.current && !st.param) {
+    int64_t dims[] = {numel};
+    st.current = b.Reshape(value, dims);
+  } else {
+    st.current = lowering::WriteView(b, ReadFlat(st), LayoutOf(t), value);
+  }
+}
+
+void ProgramBuilder::Define(const DeviceStorage* storage, hlo::ElementType element, int64_t numel,
+                            hlo::Value flat) {
+  for (auto& st : storages)
+    if (st.storage == storage) throw std::logic_error("ProgramBuilder::Define: storage already known");
+  storages.push_back({storage, InputSlot{}, element, numel, std::nullopt, std::move(flat)});
+}
+
+std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, const c10::OperatorHandle& op,
+                                                                const torch::jit::Stack& stack, size_t first,
+                                                                const lowering::LoweringEntry& entry,
+                                                                const CallSpec& spec) {
+  const auto& schema = op.schema();
+  const auto& args = schema.arguments();
+  const std::string name = schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
+  bool has_f64 = CallHasF64(stack, first, args.size());
+  lowering::LoweringContext ctx(b, schema);
+  auto slot = [&](InputSlot::Kind kind, int16_t arg, int16_t item, hlo::ElementType e) {
+    InputSlot s;
+    s.kind = kind;
+    s.call = call;
+    s.arg = arg;
+    s.item = item;
+    s.element = e;
+    return s;
+  };
+
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::Argument& a = args[i];
     const c10::IValue& v = stack[first + i];
     int16_t ai = static_cast<int16_t>(i);
-    if (IsOutArg(a)) {
-      out_args.push_back(ai);
-      continue;
-    }
+    if (IsOutArg(a)) continue;
     LoweredArg la;
     la.name = a.name();
     if (v.isTensor()) {
@@ -361,18 +425,16 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
       } else if (OnTpu(t)) {
         la.kind = LoweredArg::Kind::kTensor;
         la.dtype = t.scalar_type();
-        la.value = read_tensor(t, ai, -1);
+        la.value = ReadTensor(t, slot(InputSlot::Kind::kStorage, ai, -1, hlo::ElementType::kF32));
       } else {
         la.kind = LoweredArg::Kind::kScalar;
         hlo::ElementType e = CpuScalarElement(t, has_f64);
         la.value = b.Parameter(hlo::TensorType{e, {}});
         la.dtype = lowering::ToScalarType(e);
         la.wrapped_number = t.unsafeGetTensorImpl()->is_wrapped_number();
-        compiled->inputs.push_back({InputSlot::Kind::kScalar, ai, -1, e});
+        inputs.push_back(slot(InputSlot::Kind::kScalar, ai, -1, e));
       }
-    } else if (v.isTensorList() || (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList() &&
-                                    v.toListRef().size() > 0 &&
-                                    (v.toListRef()[0].isTensor() || v.toListRef()[0].isNone()))) {
+    } else if (IsTensorListValue(v)) {
       la.kind = LoweredArg::Kind::kTensorList;
       const auto& list = v.toListRef();
       for (size_t j = 0; j < list.size(); ++j) {
@@ -380,7 +442,8 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
           la.list.push_back(hlo::Value{});
           la.present.push_back(false);
         } else {
-          la.list.push_back(read_tensor(list[j].toTensor(), ai, static_cast<int16_t>(j)));
+          la.list.push_back(ReadTensor(list[j].toTensor(), slot(InputSlot::Kind::kStorage, ai,
+                                                                static_cast<int16_t>(j), hlo::ElementType::kF32)));
           la.present.push_back(true);
         }
       }
@@ -392,7 +455,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
       la.value = b.Parameter(hlo::TensorType{e, {}});
       la.dtype = lowering::ToScalarType(e);
       la.wrapped_number = true;
-      compiled->inputs.push_back({InputSlot::Kind::kScalar, ai, -1, e});
+      inputs.push_back(slot(InputSlot::Kind::kScalar, ai, -1, e));
     } else if (v.isNone()) {
       la.kind = LoweredArg::Kind::kNone;
       la.ivalue = v;
@@ -407,122 +470,127 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     for (size_t i = 0; i < args.size(); ++i)
       if (args[i].type()->str().find("Generator") != std::string::npos) gen_arg = static_cast<int16_t>(i);
     ctx.rng_state_value = b.Parameter(hlo::TensorType{hlo::ElementType::kU64, {2}});
-    compiled->inputs.push_back({InputSlot::Kind::kRng, gen_arg, -1, hlo::ElementType::kU64});
-  }
-
-  // 3. Returns: a new tensor, or an argument the op writes and returns.
-  std::vector<int16_t> return_alias(returns.size(), -1);
-  size_t next_out = 0;
-  for (size_t r = 0; r < returns.size(); ++r) {
-    const auto& ret = returns[r];
-    if (ret.type()->kind() != c10::TypeKind::TensorType)
-      throw UnsupportedOp("returns a " + ret.type()->str() + ", not a Tensor");
-    if (ret.alias_info()) {
-      // The argument with the same alias set.
-      for (size_t i = 0; i < args.size(); ++i) {
-        const auto* ai = args[i].alias_info();
-        if (ai && ai->isWrite() && ai->beforeSets() == ret.alias_info()->beforeSets()) {
-          return_alias[r] = static_cast<int16_t>(i);
-          break;
-        }
-      }
-      if (return_alias[r] < 0 && next_out < out_args.size()) return_alias[r] = out_args[next_out++];
-      if (return_alias[r] < 0) throw UnsupportedOp("returns a view of an input");
+    InputSlot s = slot(InputSlot::Kind::kRng, gen_arg, -1, hlo::ElementType::kU64);
+    for (const auto& o : spec.outputs) {
+      int64_t n = 1;
+      for (int64_t d : o.sizes) n *= d;
+      s.rng_increment += std::max<int64_t>(n, 1);
     }
-    const at::Tensor& mt = meta_stack[r].toTensor();
-    ctx.outputs.push_back({mt.scalar_type(), mt.sizes().vec()});
+    inputs.push_back(s);
   }
-  // out= tensors of other sizes are resized as PyTorch's resize_output does
-  // (the launch repeats it on every call that shares this key).
-  for (size_t r = 0; r < returns.size(); ++r) {
-    if (return_alias[r] < 0) continue;
-    const at::Tensor& target = stack[first + static_cast<size_t>(return_alias[r])].toTensor();
-    if (target.sizes() != ctx.outputs[r].sizes) {
-      bool is_out = std::find(out_args.begin(), out_args.end(), return_alias[r]) != out_args.end();
-      if (!is_out)
-        throw UnsupportedOp("in-place result has sizes " + c10::str(ctx.outputs[r].sizes) + " but the tensor has " +
-                            c10::str(target.sizes()));
-      at::native::resize_output(target, ctx.outputs[r].sizes);
-      compiled->resize_outputs.emplace_back(return_alias[r], ctx.outputs[r].sizes);
-    }
-    ctx.outputs[r].dtype = target.scalar_type();
-  }
+  ctx.outputs = spec.outputs;
 
-  // 4. Lower.
   std::vector<hlo::Value> results;
   try {
     results = entry.fn(ctx);
   } catch (const lowering::LoweringError& e) {
     throw UnsupportedOp(e.what());
   } catch (const hlo::BuildError& e) {
-    throw UnsupportedOp(std::string("lowering of ") + compiled->name + " failed: " + e.what());
+    throw UnsupportedOp("lowering of " + name + " failed: " + e.what());
   }
-  if (results.size() != returns.size())
-    throw std::logic_error("lowering of " + compiled->name + " returned " + std::to_string(results.size()) +
-                           " values for " + std::to_string(returns.size()) + " returns");
+  if (results.size() != spec.outputs.size())
+    throw std::logic_error("lowering of " + name + " returned " + std::to_string(results.size()) + " values for " +
+                           std::to_string(spec.outputs.size()) + " returns");
 
-  // 5. Outputs: new tensors first, then written storages.
-  std::vector<hlo::Value> program_results;
-  for (size_t r = 0; r < returns.size(); ++r) {
-    if (return_alias[r] >= 0) {
-      const at::Tensor& target = stack[first + static_cast<size_t>(return_alias[r])].toTensor();
-      write_tensor(target, return_alias[r], -1, results[r]);
-      compiled->returns.push_back({true, return_alias[r]});
+  std::vector<std::optional<hlo::Value>> new_values(results.size());
+  for (size_t r = 0; r < results.size(); ++r) {
+    int16_t a = spec.return_alias[r];
+    if (!spec.defined[r]) continue;
+    if (a >= 0) {
+      WriteTensor(stack[first + static_cast<size_t>(a)].toTensor(), slot(InputSlot::Kind::kStorage, a, -1,
+                                                                           hlo::ElementType::kF32),
+                  results[r]);
       continue;
     }
-    const auto& spec = ctx.outputs[r];
-    hlo::Value v = lowering::Cast(b, results[r], spec.dtype);
-    if (v.dims() != spec.sizes) {
+    const auto& out = spec.outputs[r];
+    hlo::Value v = lowering::Cast(b, results[r], out.dtype);
+    if (v.dims() != out.sizes) {
       int64_t n = 1;
-      for (int64_t s : spec.sizes) n *= s;
-      v = n == v.type.numel() ? b.Reshape(v, spec.sizes) : lowering::BroadcastTo(b, v, spec.sizes);
+      for (int64_t d : out.sizes) n *= d;
+      v = n == v.type.numel() ? b.Reshape(v, out.sizes) : lowering::BroadcastTo(b, v, out.sizes);
     }
-    int64_t n = v.type.numel();
-    int64_t flat_dims[] = {n};
-    program_results.push_back(b.Reshape(v, flat_dims));
-    OutputSlot slot;
-    slot.kind = OutputSlot::Kind::kNewTensor;
-    slot.dtype = spec.dtype;
-    slot.sizes = spec.sizes;
-    slot.element = lowering::ToElementType(spec.dtype);
-    slot.numel = n;
-    compiled->returns.push_back({false, static_cast<int16_t>(compiled->outputs.size())});
-    compiled->outputs.push_back(std::move(slot));
+    new_values[r] = v;
   }
-  for (auto& [name, value] : ctx.writes) {
+  for (auto& [arg_name, value] : ctx.writes) {
     for (size_t i = 0; i < args.size(); ++i) {
-      if (args[i].name() != name) continue;
-      write_tensor(stack[first + i].toTensor(), static_cast<int16_t>(i), -1, value);
+      if (args[i].name() != arg_name) continue;
+      WriteTensor(stack[first + i].toTensor(),
+                  slot(InputSlot::Kind::kStorage, static_cast<int16_t>(i), -1, hlo::ElementType::kF32), value);
     }
   }
-  for (auto& sp : storages) {
-    if (!sp.current) continue;
-    program_results.push_back(*sp.current);
-    OutputSlot slot;
-    slot.kind = OutputSlot::Kind::kStorageWrite;
-    slot.arg = sp.arg;
-    slot.item = sp.item;
-    slot.element = sp.element;
-    slot.numel = sp.numel;
-    compiled->outputs.push_back(std::move(slot));
-  }
-  for (const auto& o : compiled->outputs) compiled->rng_increment += std::max<int64_t>(o.numel, 1);
-  b.Return(program_results);
+  return new_values;
+}
 
-  // 6. Compile.
-  compiled->module_text = b.Module();
-  if (DumpHlo()) std::cerr << "[torch_tpu] " << compiled->name << ":\n" << compiled->module_text;
+std::unique_ptr<pjrt::Executable> CompileModule(const std::string& name, const std::string& module_text) {
+  if (DumpHlo()) std::cerr << "[torch_tpu] " << name << ":\n" << module_text;
   auto& rt = Runtime::Get();
   auto start = std::chrono::steady_clock::now();
+  std::unique_ptr<pjrt::Executable> exe;
   try {
-    compiled->executable = DiskCache::Get().LoadOrCompile(rt.client(), compiled->module_text, PortableOptions());
+    exe = DiskCache::Get().LoadOrCompile(rt.client(), module_text, PortableOptions());
   } catch (const pjrt::Error& e) {
-    throw std::runtime_error("tpu: compiling " + compiled->name + " failed: " + e.what() +
-                             "\nmodule:\n" + compiled->module_text);
+    throw std::runtime_error("tpu: compiling " + name + " failed: " + e.what() + "\nmodule:\n" + module_text);
   }
   rt.metrics().compiles++;
   rt.metrics().compile_time_ns +=
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+  return exe;
+}
+
+namespace {
+
+std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
+                                    size_t first, const lowering::LoweringEntry& entry) {
+  const auto& schema = op.schema();
+  auto compiled = std::make_unique<CompiledOp>();
+  compiled->entry = &entry;
+  compiled->name = schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
+  CallSpec spec = ComputeSpec(op, stack, first);
+  ApplyResizes(spec, stack, first);
+  compiled->resize_outputs = spec.resize_outputs;
+
+  ProgramBuilder pb;
+  auto new_values = pb.AddCall(0, op, stack, first, entry, spec);
+
+  // Outputs: new tensors first, then written storages.
+  std::vector<hlo::Value> program_results;
+  for (size_t r = 0; r < new_values.size(); ++r) {
+    if (!spec.defined[r]) {
+      compiled->returns.push_back({false, -1});  // an undefined tensor
+      continue;
+    }
+    if (!new_values[r]) {
+      compiled->returns.push_back({true, spec.return_alias[r]});
+      continue;
+    }
+    const auto& out = spec.outputs[r];
+    int64_t n = new_values[r]->type.numel();
+    int64_t flat_dims[] = {n};
+    program_results.push_back(pb.b.Reshape(*new_values[r], flat_dims));
+    OutputSlot slot;
+    slot.kind = OutputSlot::Kind::kNewTensor;
+    slot.dtype = out.dtype;
+    slot.sizes = out.sizes;
+    slot.element = lowering::ToElementType(out.dtype);
+    slot.numel = n;
+    compiled->returns.push_back({false, static_cast<int16_t>(compiled->outputs.size())});
+    compiled->outputs.push_back(std::move(slot));
+  }
+  for (auto& st : pb.storages) {
+    if (!st.current) continue;
+    program_results.push_back(*st.current);
+    OutputSlot slot;
+    slot.kind = OutputSlot::Kind::kStorageWrite;
+    slot.arg = st.first_use.arg;
+    slot.item = st.first_use.item;
+    slot.element = st.element;
+    slot.numel = st.numel;
+    compiled->outputs.push_back(std::move(slot));
+  }
+  pb.b.Return(program_results);
+  compiled->inputs = std::move(pb.inputs);
+  compiled->module_text = pb.b.Module();
+  compiled->executable = CompileModule(compiled->name, compiled->module_text);
   return compiled;
 }
 
@@ -590,73 +658,74 @@ at::Tensor WrapBuffer(StorageBuffer buffer, at::IntArrayRef sizes, at::ScalarTyp
   return t;
 }
 
-std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, size_t num_args) {
+const at::Tensor& TensorOf(const ArgResolver& arg_of, int32_t call, int16_t arg, int16_t item) {
+  const c10::IValue& v = arg_of(call, arg);
+  if (item < 0) return v.toTensor();
+  return v.toListRef()[static_cast<size_t>(item)].toTensor();
+}
+
+LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolver& arg_of, int default_device) {
   auto& rt = Runtime::Get();
-  const size_t first = stack.size() - num_args;
-  auto tensor_at = [&](const InputSlot& s) -> const at::Tensor& {
-    const c10::IValue& v = stack[first + static_cast<size_t>(s.arg)];
-    if (s.item < 0) return v.toTensor();
-    return v.toListRef()[static_cast<size_t>(s.item)].toTensor();
-  };
-  for (const auto& [arg, sizes] : op.resize_outputs)
-    at::native::resize_output(stack[first + static_cast<size_t>(arg)].toTensor(), sizes);
+  LaunchInputs li;
+  li.buffers.resize(inputs.size());
   int device_index = -1;
-  constexpr size_t kMaxInline = 16;
-  pjrt::Buffer* inline_args[kMaxInline];
-  std::vector<pjrt::Buffer*> heap_args;
-  pjrt::Buffer** arg_buffers = inline_args;
-  if (op.inputs.size() > kMaxInline) {
-    heap_args.resize(op.inputs.size());
-    arg_buffers = heap_args.data();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const InputSlot& s = inputs[i];
+    if (s.kind != InputSlot::Kind::kStorage) continue;
+    const at::Tensor& t = TensorOf(arg_of, s.call, s.arg, s.item);
+    if (device_index < 0) device_index = t.device().index();
+    li.buffers[i] = StorageOf(t).Materialize(s.element).buffer.get();
   }
-  std::vector<std::shared_ptr<pjrt::Buffer>> temps;
-  for (size_t i = 0; i < op.inputs.size(); ++i) {
-    const InputSlot& s = op.inputs[i];
-    if (s.kind == InputSlot::Kind::kStorage) {
-      const at::Tensor& t = tensor_at(s);
-      if (device_index < 0) device_index = t.device().index();
-      arg_buffers[i] = StorageOf(t).Materialize(s.element).buffer.get();
-    }
-  }
-  if (device_index < 0) {
-    // Factories: the device argument, else the current device.
-    device_index = 0;
-    for (size_t i = first; i < stack.size(); ++i)
-      if (stack[i].isDevice() && stack[i].toDevice().has_index()) device_index = stack[i].toDevice().index();
-      else if (stack[i].isDevice()) device_index = c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->getDevice().index();
-  }
-  for (size_t i = 0; i < op.inputs.size(); ++i) {
-    const InputSlot& s = op.inputs[i];
+  li.device_index = device_index < 0 ? default_device : device_index;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const InputSlot& s = inputs[i];
     if (s.kind == InputSlot::Kind::kScalar) {
-      const c10::IValue& v = stack[first + static_cast<size_t>(s.arg)];
+      const c10::IValue& v = arg_of(s.call, s.arg);
       c10::Scalar scalar = v.isTensor() ? v.toTensor().item() : v.toScalar();
       alignas(16) char bytes[16] = {};
       ScalarToBytes(scalar, s.element, bytes);
-      temps.push_back(rt.ScalarBuffer(bytes, s.element, device_index));
-      arg_buffers[i] = temps.back().get();
+      li.temps.push_back(rt.ScalarBuffer(bytes, s.element, li.device_index));
+      li.buffers[i] = li.temps.back().get();
     } else if (s.kind == InputSlot::Kind::kRng) {
       at::Generator gen;
-      if (s.arg >= 0 && stack[first + static_cast<size_t>(s.arg)].isGenerator())
-        gen = stack[first + static_cast<size_t>(s.arg)].toGenerator();
+      if (s.arg >= 0 && arg_of(s.call, s.arg).isGenerator())
+        gen = arg_of(s.call, s.arg).toGenerator();
       else
         gen = at::globalContext().defaultGenerator(
-            c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_index)));
+            c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(li.device_index)));
       uint64_t state[2];
       {
         std::lock_guard<std::mutex> lock(gen.mutex());
         state[0] = gen.current_seed();
         state[1] = gen.get_offset();
-        gen.set_offset(state[1] + static_cast<uint64_t>(op.rng_increment));
+        gen.set_offset(state[1] + static_cast<uint64_t>(s.rng_increment));
       }
       int64_t dims[] = {2};
-      temps.push_back(rt.Upload(state, hlo::ElementType::kU64, dims, device_index));
-      arg_buffers[i] = temps.back().get();
+      li.temps.push_back(rt.Upload(state, hlo::ElementType::kU64, dims, li.device_index));
+      li.buffers[i] = li.temps.back().get();
     }
   }
+  return li;
+}
+
+std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, size_t num_args) {
+  auto& rt = Runtime::Get();
+  const size_t first = stack.size() - num_args;
+  for (const auto& [arg, sizes] : op.resize_outputs)
+    at::native::resize_output(stack[first + static_cast<size_t>(arg)].toTensor(), sizes);
+  ArgResolver arg_of = [&](int32_t, int16_t arg) -> const c10::IValue& {
+    return stack[first + static_cast<size_t>(arg)];
+  };
+  int default_device = 0;  // factories: the device argument, else the current device
+  for (size_t i = first; i < stack.size(); ++i)
+    if (stack[i].isDevice())
+      default_device = stack[i].toDevice().has_index()
+                           ? stack[i].toDevice().index()
+                           : c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->getDevice().index();
+  LaunchInputs li = GatherInputs(op.inputs, arg_of, default_device);
 
   std::unique_ptr<pjrt::Event> done;
-  auto outs = op.executable->Execute(std::span<pjrt::Buffer* const>(arg_buffers, op.inputs.size()),
-                                     rt.device(device_index), {}, &done);
+  auto outs = op.executable->Execute(li.buffers, rt.device(li.device_index), {}, &done);
   rt.metrics().executions++;
 
   std::vector<at::Tensor> new_tensors;
@@ -664,10 +733,9 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
     const OutputSlot& o = op.outputs[i];
     StorageBuffer sb{std::shared_ptr<pjrt::Buffer>(std::move(outs[i])), o.element, o.numel, op.name};
     if (o.kind == OutputSlot::Kind::kNewTensor) {
-      new_tensors.push_back(WrapBuffer(std::move(sb), o.sizes, o.dtype, device_index));
+      new_tensors.push_back(WrapBuffer(std::move(sb), o.sizes, o.dtype, li.device_index));
     } else {
-      InputSlot s{InputSlot::Kind::kStorage, o.arg, o.item, o.element};
-      StorageOf(tensor_at(s)).Set(std::move(sb));
+      StorageOf(TensorOf(arg_of, 0, o.arg, o.item)).Set(std::move(sb));
     }
   }
   if (done) rt.Track(std::move(done), op.name);
@@ -677,6 +745,7 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
   returns.reserve(op.returns.size());
   for (const auto& r : op.returns) {
     if (r.is_arg) returns.push_back(stack[first + static_cast<size_t>(r.index)]);
+    else if (r.index < 0) returns.emplace_back(at::Tensor());
     else returns.emplace_back(new_tensors[static_cast<size_t>(r.index)]);
   }
   stack.erase(stack.begin() + static_cast<std::ptrdiff_t>(first), stack.end());

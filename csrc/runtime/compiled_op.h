@@ -11,7 +11,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include <functional>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -43,9 +45,11 @@ struct OpKeyHash {
 struct InputSlot {
   enum class Kind : uint8_t { kStorage, kScalar, kRng };
   Kind kind = Kind::kStorage;
-  int16_t arg = 0;    // argument position on the stack
+  int32_t call = 0;   // which call of a fused region (0 for a single op)
+  int16_t arg = 0;    // argument position in the call
   int16_t item = -1;  // element of a tensor list, or -1
   hlo::ElementType element = hlo::ElementType::kF32;
+  int64_t rng_increment = 0;  // kRng: values drawn, the generator offset's advance
 };
 
 // What each executable output becomes.
@@ -73,11 +77,74 @@ struct CompiledOp {
   std::vector<InputSlot> inputs;
   std::vector<OutputSlot> outputs;
   std::vector<ReturnSlot> returns;
-  int64_t rng_increment = 0;
   // out= arguments resized (to these sizes) before each launch.
   std::vector<std::pair<int16_t, std::vector<int64_t>>> resize_outputs;
   std::string module_text;  // kept for TORCH_TPU_DUMP_HLO and errors
 };
+
+// What PyTorch's meta kernel says about one call: per return, the output
+// spec and whether it is a written argument (in-place self, out=) or a new
+// tensor; out= arguments that must be resized first.
+struct CallSpec {
+  std::vector<lowering::OutputSpec> outputs;  // dtype of the target for written returns
+  std::vector<int16_t> return_alias;          // written argument, or -1 for a new tensor
+  std::vector<std::pair<int16_t, std::vector<int64_t>>> resize_outputs;
+  std::vector<bool> defined;                  // false: the op returns an undefined tensor (output_mask)
+};
+// Runs the op on meta tensors; throws UnsupportedOp if it cannot.
+CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first);
+void ApplyResizes(const CallSpec& spec, const torch::jit::Stack& stack, size_t first);
+
+// Builds one program from one or more ATen calls over tpu storages
+// (DESIGN.md, "Memory model"): a storage read for the first time becomes a
+// parameter (the whole rank-1 buffer), each tensor argument is its view,
+// and written arguments update the storage's value. Eager executors add one
+// call; the fused executor adds a region's calls.
+class ProgramBuilder {
+ public:
+  struct StorageState {
+    const DeviceStorage* storage;
+    InputSlot first_use;  // where the storage is found at launch
+    hlo::ElementType element;
+    int64_t numel;
+    std::optional<hlo::Value> param;    // the storage as read from its buffer
+    std::optional<hlo::Value> current;  // its value after this program's writes
+  };
+  hlo::Builder b;
+  std::vector<InputSlot> inputs;
+  std::vector<StorageState> storages;
+
+  // Lowers one call (arguments at stack[first...]); returns, per return,
+  // the value of a new tensor (shaped and typed per `spec`), or nullopt
+  // where the return is a written argument (or undefined). Throws
+  // UnsupportedOp where the lowering declines.
+  std::vector<std::optional<hlo::Value>> AddCall(int32_t call, const c10::OperatorHandle& op,
+                                                 const torch::jit::Stack& stack, size_t first,
+                                                 const lowering::LoweringEntry& entry, const CallSpec& spec);
+  // From now on `storage` holds `flat` (a new tensor of a fused region).
+  void Define(const DeviceStorage* storage, hlo::ElementType element, int64_t numel, hlo::Value flat);
+
+ private:
+  StorageState& StateFor(const at::Tensor& t, const InputSlot& use);
+  hlo::Value ReadFlat(StorageState& st);
+  hlo::Value ReadTensor(const at::Tensor& t, const InputSlot& use);
+  void WriteTensor(const at::Tensor& t, const InputSlot& use, hlo::Value value);
+};
+
+// Compiles a module through the on-disk cache, counting metrics; errors
+// name `name` and carry the module text.
+std::unique_ptr<pjrt::Executable> CompileModule(const std::string& name, const std::string& module_text);
+
+// Input buffers of a launch. `arg_of(call, arg)` returns the IValue of an
+// argument of a call.
+struct LaunchInputs {
+  std::vector<pjrt::Buffer*> buffers;
+  std::vector<std::shared_ptr<pjrt::Buffer>> temps;
+  int device_index = 0;
+};
+using ArgResolver = std::function<const c10::IValue&(int32_t call, int16_t arg)>;
+LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolver& arg_of, int default_device);
+const at::Tensor& TensorOf(const ArgResolver& arg_of, int32_t call, int16_t arg, int16_t item);
 
 // The base lowering name of an ATen op: "aten::add_" and "aten::add.out"
 // share "add".

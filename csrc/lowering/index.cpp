@@ -1,0 +1,739 @@
+// Indexing and data movement: index_select, embedding, gather, scatter
+// (+_add, _reduce), index (advanced indexing), index_put, index_add,
+// index_copy, masked_scatter, cat, stack, constant_pad_nd, flip, roll,
+// repeat, tril/triu, arange, full, eye, sort, topk.
+//
+// StableHLO gather clamps and scatter drops out-of-range indices; PyTorch
+// raises on them (and wraps negative ones in advanced indexing). Negative
+// indices are wrapped here (idx < 0 ? idx + size : idx); out-of-range ones
+// are reported by the debug executor's index checks (the entries'
+// index_checks traits: negative allowed only for index/index_put, as on CPU).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "lowering/helpers.h"
+
+namespace torch_tpu::lowering {
+namespace {
+
+using hlo::CompareDirection;
+
+std::vector<int64_t> IntList(const LoweringContext& ctx, std::string_view name) {
+  const LoweredArg* a = ctx.find(name);
+  if (!a || a->kind == LoweredArg::Kind::kNone) return {};
+  const c10::IValue& v = a->ivalue;
+  if (v.isNone()) return {};
+  if (v.isIntList()) return v.toIntVector();
+  if (v.isInt()) return {v.toInt()};
+  if (v.isSymIntList()) {
+    std::vector<int64_t> out;
+    for (const auto& s : v.toSymIntList()) out.push_back(static_cast<c10::SymInt>(s).expect_int());
+    return out;
+  }
+  throw LoweringError(ctx.op_name() + ": '" + std::string(name) + "' is not an int list");
+}
+
+Value Fit(Builder& b, const Value& v, const std::vector<int64_t>& sizes) {
+  if (v.dims() == sizes) return v;
+  if (v.type.numel() == TensorType{v.element(), sizes}.numel()) return b.Reshape(v, sizes);
+  return BroadcastTo(b, v, sizes);
+}
+
+Value Out(Builder& b, const Value& v, const OutputSpec& spec) { return Fit(b, Cast(b, v, spec.dtype), spec.sizes); }
+
+int64_t Numel(std::span<const int64_t> dims) {
+  int64_t n = 1;
+  for (int64_t d : dims) n *= d;
+  return n;
+}
+
+std::vector<int64_t> Iota(int64_t from, int64_t to) {
+  std::vector<int64_t> v;
+  for (int64_t i = from; i < to; ++i) v.push_back(i);
+  return v;
+}
+
+// Index tensor as s64 with negative entries wrapped by `size`.
+Value WrapIndex(Builder& b, const Value& index, int64_t size) {
+  Value idx = CastElement(b, index, ElementType::kS64);
+  Value zero = ConstLike(b, idx, 0);
+  Value neg = b.Compare(idx, zero, CompareDirection::kLT);
+  return b.Select(neg, b.Add(idx, ConstLike(b, idx, static_cast<double>(size))), idx);
+}
+
+// Full coordinates for gather/scatter along `dim`: shape index.dims + [rank],
+// coordinate `dim` from the (wrapped) index, the others from iotas.
+Value AlongDimCoordinates(Builder& b, const Value& idx, int64_t dim, int64_t rank) {
+  std::vector<int64_t> shape = idx.dims();
+  std::vector<int64_t> col_shape = shape;
+  col_shape.push_back(1);
+  std::vector<Value> cols;
+  for (int64_t d = 0; d < rank; ++d) {
+    Value c = d == dim ? idx : b.Iota(TensorType{ElementType::kS64, shape}, d);
+    cols.push_back(b.Reshape(c, col_shape));
+  }
+  return b.Concatenate(cols, rank);
+}
+
+// ---------------------------------------------------------------------------
+
+// Rows of `x` along `dim` selected by a 1-D s64 index (already wrapped).
+Value SelectAlong(Builder& b, const Value& x, int64_t dim, const Value& idx1d) {
+  const int64_t k = idx1d.dims()[0];
+  Value idx = b.Reshape(idx1d, std::vector<int64_t>{k, 1});
+  hlo::GatherDims g;
+  for (int64_t d = 0; d < x.rank(); ++d)
+    if (d != dim) g.offset_dims.push_back(d);
+  g.collapsed_slice_dims = {dim};
+  g.start_index_map = {dim};
+  g.index_vector_dim = 1;
+  std::vector<int64_t> slice = x.dims();
+  slice[static_cast<size_t>(dim)] = 1;
+  std::vector<int64_t> rdims = x.dims();
+  rdims[static_cast<size_t>(dim)] = k;
+  return b.Gather(x, idx, g, slice, TensorType{x.element(), rdims});
+}
+
+std::vector<Value> LowerIndexSelect(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value x = ctx.tensor("self");
+  if (x.rank() == 0) x = b.Reshape(x, std::vector<int64_t>{1});
+  int64_t dim = NormalizeDim(ctx.int_arg("dim"), x.rank());
+  Value index = ctx.tensor("index");
+  const int64_t k = index.type.numel();
+  if (Numel(out.sizes) == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  Value idx = WrapIndex(b, b.Reshape(index, std::vector<int64_t>{k}), x.dims()[static_cast<size_t>(dim)]);
+  return {Out(b, SelectAlong(b, x, dim, idx), out)};
+}
+
+std::vector<Value> LowerEmbedding(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value w = ctx.tensor("weight");
+  Value index = ctx.tensor("indices");
+  if (Numel(out.sizes) == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  const int64_t k = index.type.numel();
+  Value idx = WrapIndex(b, b.Reshape(index, std::vector<int64_t>{k}), w.dims()[0]);
+  return {Out(b, SelectAlong(b, w, 0, idx), out)};
+}
+
+std::vector<Value> LowerGather(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value x = ctx.tensor("self");
+  Value index = ctx.tensor("index");
+  if (Numel(out.sizes) == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  if (x.rank() == 0) return {Out(b, BroadcastTo(b, x, index.dims()), out)};
+  if (index.rank() == 0) index = b.Reshape(index, std::vector<int64_t>(static_cast<size_t>(x.rank()), 1));
+  int64_t dim = NormalizeDim(ctx.int_arg("dim"), x.rank());
+  Value idx = WrapIndex(b, index, x.dims()[static_cast<size_t>(dim)]);
+  Value coords = AlongDimCoordinates(b, idx, dim, x.rank());
+  hlo::GatherDims g;
+  g.collapsed_slice_dims = Iota(0, x.rank());
+  g.start_index_map = Iota(0, x.rank());
+  g.index_vector_dim = x.rank();
+  std::vector<int64_t> slice(static_cast<size_t>(x.rank()), 1);
+  return {Out(b, b.Gather(x, coords, g, slice, TensorType{x.element(), idx.dims()}), out)};
+}
+
+// The lowest (or highest) value of an integer element type, splat to dims.
+Value Extreme(Builder& b, ElementType e, bool highest, std::span<const int64_t> dims) {
+  int64_t v = 0;
+  switch (e) {
+    case ElementType::kPred: v = highest ? 1 : 0; break;
+    case ElementType::kS8: v = highest ? 127 : -128; break;
+    case ElementType::kS16: v = highest ? 32767 : -32768; break;
+    case ElementType::kS32: v = highest ? 2147483647LL : -2147483648LL; break;
+    case ElementType::kS64:
+      v = highest ? std::numeric_limits<int64_t>::max() : std::numeric_limits<int64_t>::min();
+      break;
+    case ElementType::kU8: v = highest ? 255 : 0; break;
+    case ElementType::kU16: v = highest ? 65535 : 0; break;
+    case ElementType::kU32: v = highest ? 4294967295LL : 0; break;
+    default: v = 0;
+  }
+  Value c = b.ConstantInt(TensorType{e, {}}, v);
+  return BroadcastTo(b, c, dims);
+}
+
+// scatter / scatter_add / scatter_reduce: reduce is "" (replace), "add",
+// "multiply", or scatter_reduce's "sum", "prod", "mean", "amax", "amin".
+std::vector<Value> ScatterAlongDim(LoweringContext& ctx, std::string reduce, bool include_self) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  at::ScalarType t = out.dtype;
+  Value self = Cast(b, ctx.tensor("self"), t);
+  Value index = ctx.tensor("index");
+  if (index.type.numel() == 0) return {self};
+  const bool scalar_self = self.rank() == 0;
+  if (scalar_self) self = b.Reshape(self, std::vector<int64_t>{1});
+  if (index.rank() == 0) index = b.Reshape(index, std::vector<int64_t>(static_cast<size_t>(self.rank()), 1));
+  const int64_t r = self.rank();
+  int64_t dim = NormalizeDim(ctx.int_arg("dim"), r);
+  Value idx = WrapIndex(b, index, self.dims()[static_cast<size_t>(dim)]);
+  Value updates;
+  if (ctx.find("src")) {
+    Value src = Cast(b, ctx.tensor("src"), t);
+    if (src.rank() == 0) src = b.Reshape(src, std::vector<int64_t>(static_cast<size_t>(r), 1));
+    std::vector<int64_t> start(static_cast<size_t>(r), 0), stride(static_cast<size_t>(r), 1);
+    updates = b.Slice(src, start, idx.dims(), stride);
+  } else {
+    updates = Prepare(b, ctx.value("value"), t, idx.dims());
+  }
+  Value coords = AlongDimCoordinates(b, idx, dim, r);
+  hlo::ScatterDims s;
+  s.inserted_window_dims = Iota(0, r);
+  s.scatter_dims_to_operand_dims = Iota(0, r);
+  s.index_vector_dim = r;
+  const bool is_bool = t == at::kBool;
+  auto body = [&](std::string_view op) {
+    std::string o(op);
+    return [o, is_bool](Builder& bb, std::span<const Value> a) {
+      if (o == "replace") return std::vector<Value>{a[1]};
+      if (o == "add") return std::vector<Value>{is_bool ? bb.Or(a[0], a[1]) : bb.Add(a[0], a[1])};
+      if (o == "mul") return std::vector<Value>{is_bool ? bb.And(a[0], a[1]) : bb.Mul(a[0], a[1])};
+      if (o == "max") return std::vector<Value>{MaxPropagateNaN(bb, a[0], a[1])};
+      return std::vector<Value>{MinPropagateNaN(bb, a[0], a[1])};
+    };
+  };
+  std::string op = reduce.empty() ? "replace"
+                   : reduce == "add" || reduce == "sum" || reduce == "mean" ? "add"
+                   : reduce == "multiply" || reduce == "prod" ? "mul"
+                   : reduce == "amax" ? "max"
+                   : reduce == "amin" ? "min"
+                                      : "";
+  if (op.empty()) throw LoweringError(ctx.op_name() + ": unknown reduce '" + reduce + "'");
+  Value base = self;
+  Value touched;
+  if (!include_self || reduce == "mean") {
+    hlo::ScatterDims ts = s;
+    touched = b.Scatter(Const(b, ElementType::kPred, 0, self.dims()), coords,
+                        Const(b, ElementType::kPred, 1, idx.dims()), ts,
+                        [](Builder&, std::span<const Value> a) { return std::vector<Value>{a[1]}; });
+  }
+  if (!include_self) {
+    double identity = op == "add" ? 0 : op == "mul" ? 1 : op == "max" ? -INFINITY : INFINITY;
+    Value id;
+    if ((op == "max" || op == "min") && !hlo::IsFloating(self.element())) {
+      id = Extreme(b, self.element(), op == "min", self.dims());
+    } else {
+      id = Const(b, self.element(), identity, self.dims());
+    }
+    base = b.Select(touched, id, self);
+  }
+  Value result = b.Scatter(base, coords, updates, s, body(op));
+  if (reduce == "mean") {
+    Value ones = Const(b, self.element(), 1, idx.dims());
+    Value count0 = Const(b, self.element(), include_self ? 1 : 0, self.dims());
+    Value count = b.Scatter(count0, coords, ones, s, body("add"));
+    Value safe = b.Select(touched, count, ConstLike(b, count, 1));
+    Value mean;
+    if (hlo::IsFloating(self.element())) {
+      mean = b.Div(result, safe);
+    } else {
+      // floor division, as PyTorch's integer mean
+      Value q = b.Div(result, safe);
+      Value rem = b.Rem(result, safe);
+      Value zero = ConstLike(b, rem, 0);
+      Value adjust = b.And(b.Compare(rem, zero, CompareDirection::kNE),
+                           b.Compare(b.Compare(rem, zero, CompareDirection::kLT),
+                                     b.Compare(safe, ConstLike(b, safe, 0), CompareDirection::kLT),
+                                     CompareDirection::kNE));
+      mean = b.Select(adjust, b.Sub(q, ConstLike(b, q, 1)), q);
+    }
+    result = b.Select(touched, mean, self);
+  }
+  if (scalar_self) result = b.Reshape(result, std::vector<int64_t>{});
+  return {Out(b, result, out)};
+}
+
+std::vector<Value> LowerScatter(LoweringContext& ctx) {
+  std::string reduce;
+  if (ctx.has("reduce")) reduce = std::string(ctx.string_arg("reduce"));
+  return ScatterAlongDim(ctx, reduce, true);
+}
+std::vector<Value> LowerScatterAdd(LoweringContext& ctx) { return ScatterAlongDim(ctx, "add", true); }
+std::vector<Value> LowerScatterReduce(LoweringContext& ctx) {
+  bool include_self = !ctx.find("include_self") || ctx.bool_arg("include_self");
+  return ScatterAlongDim(ctx, std::string(ctx.string_arg("reduce")), include_self);
+}
+
+// index_add / index_copy: rows of `source` along dim, placed at index.
+std::vector<Value> IndexAlongDim(LoweringContext& ctx, bool add) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  at::ScalarType t = out.dtype;
+  at::ScalarType acc = add ? OpMathType(t) : t;
+  Value self = Cast(b, ctx.tensor("self"), acc);
+  Value index = ctx.tensor("index");
+  const int64_t k = index.type.numel();
+  if (k == 0) return {Out(b, self, out)};
+  const bool scalar_self = self.rank() == 0;
+  if (scalar_self) self = b.Reshape(self, std::vector<int64_t>{1});
+  int64_t dim = NormalizeDim(ctx.int_arg("dim"), self.rank());
+  Value src = Cast(b, ctx.tensor("source"), acc);
+  std::vector<int64_t> udims = self.dims();
+  udims[static_cast<size_t>(dim)] = k;
+  src = Fit(b, src, udims);
+  if (add && ctx.has("alpha")) src = b.Mul(src, BroadcastTo(b, Cast(b, ctx.value("alpha"), acc), udims));
+  Value idx = WrapIndex(b, b.Reshape(index, std::vector<int64_t>{k, 1}), self.dims()[static_cast<size_t>(dim)]);
+  hlo::ScatterDims s;
+  for (int64_t d = 0; d < self.rank(); ++d)
+    if (d != dim) s.update_window_dims.push_back(d);
+  s.inserted_window_dims = {dim};
+  s.scatter_dims_to_operand_dims = {dim};
+  s.index_vector_dim = 1;
+  const bool is_bool = acc == at::kBool;
+  Value r = b.Scatter(self, idx, src, s, [add, is_bool](Builder& bb, std::span<const Value> a) {
+    if (!add) return std::vector<Value>{a[1]};
+    return std::vector<Value>{is_bool ? bb.Or(a[0], a[1]) : bb.Add(a[0], a[1])};
+  });
+  if (scalar_self) r = b.Reshape(r, std::vector<int64_t>{});
+  return {Out(b, r, out)};
+}
+std::vector<Value> LowerIndexAdd(LoweringContext& ctx) { return IndexAlongDim(ctx, true); }
+std::vector<Value> LowerIndexCopy(LoweringContext& ctx) { return IndexAlongDim(ctx, false); }
+
+// ---------------------------------------------------------------------------
+// Advanced indexing: self[indices] with a list of optional integer tensors.
+
+struct AdvancedIndex {
+  Value coords;                    // B + [k], s64
+  std::vector<int64_t> positions;  // indexed dims, ascending (list order)
+  std::vector<int64_t> batch;      // B
+  std::vector<int64_t> offset_dims;
+  std::vector<int64_t> result_dims;
+};
+
+bool IsMask(const LoweredArg& list, size_t j) {
+  ElementType e = list.list[j].element();
+  return e == ElementType::kPred || e == ElementType::kU8;
+}
+
+AdvancedIndex BuildAdvancedIndex(LoweringContext& ctx, const Value& self, const LoweredArg& list) {
+  auto& b = ctx.b;
+  AdvancedIndex ai;
+  std::vector<int64_t> batch;
+  bool first = true;
+  for (size_t j = 0; j < list.list.size(); ++j) {
+    if (!list.present[j]) continue;
+    if (IsMask(list, j)) throw LoweringError(ctx.op_name() + ": boolean mask indices have a data-dependent shape");
+    if (static_cast<int64_t>(j) >= self.rank()) throw LoweringError(ctx.op_name() + ": too many indices");
+    ai.positions.push_back(static_cast<int64_t>(j));
+    batch = first ? list.list[j].dims() : BroadcastShapes(batch, list.list[j].dims());
+    first = false;
+  }
+  if (ai.positions.empty()) throw LoweringError(ctx.op_name() + ": no index tensors");
+  ai.batch = batch;
+  std::vector<int64_t> col = batch;
+  col.push_back(1);
+  std::vector<Value> cols;
+  for (int64_t p : ai.positions) {
+    Value idx = WrapIndex(b, list.list[static_cast<size_t>(p)], self.dims()[static_cast<size_t>(p)]);
+    cols.push_back(b.Reshape(BroadcastTo(b, idx, batch), col));
+  }
+  ai.coords = b.Concatenate(cols, static_cast<int64_t>(batch.size()));
+  bool adjacent = ai.positions.back() - ai.positions.front() + 1 == static_cast<int64_t>(ai.positions.size());
+  std::vector<int64_t> rest;
+  for (int64_t d = 0; d < self.rank(); ++d)
+    if (std::find(ai.positions.begin(), ai.positions.end(), d) == ai.positions.end()) rest.push_back(d);
+  const int64_t nb = static_cast<int64_t>(batch.size());
+  if (adjacent) {
+    int64_t first_pos = ai.positions.front();
+    int64_t pos = 0;
+    for (int64_t d : rest) {
+      if (d < first_pos) {
+        ai.offset_dims.push_back(pos);
+        ai.result_dims.push_back(self.dims()[static_cast<size_t>(d)]);
+        ++pos;
+      }
+    }
+    for (int64_t x : batch) ai.result_dims.push_back(x);
+    pos += nb;
+    for (int64_t d : rest) {
+      if (d > first_pos) {
+        ai.offset_dims.push_back(pos++);
+        ai.result_dims.push_back(self.dims()[static_cast<size_t>(d)]);
+      }
+    }
+  } else {
+    ai.result_dims = batch;
+    for (size_t i = 0; i < rest.size(); ++i) {
+      ai.offset_dims.push_back(nb + static_cast<int64_t>(i));
+      ai.result_dims.push_back(self.dims()[static_cast<size_t>(rest[i])]);
+    }
+  }
+  return ai;
+}
+
+std::vector<Value> LowerIndex(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value self = ctx.tensor("self");
+  const auto& list = ctx.arg("indices");
+  if (Numel(out.sizes) == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  AdvancedIndex ai = BuildAdvancedIndex(ctx, self, list);
+  hlo::GatherDims g;
+  g.offset_dims = ai.offset_dims;
+  g.collapsed_slice_dims = ai.positions;
+  g.start_index_map = ai.positions;
+  g.index_vector_dim = static_cast<int64_t>(ai.batch.size());
+  std::vector<int64_t> slice = self.dims();
+  for (int64_t p : ai.positions) slice[static_cast<size_t>(p)] = 1;
+  Value r = b.Gather(self, ai.coords, g, slice, TensorType{self.element(), ai.result_dims});
+  return {Out(b, r, out)};
+}
+
+// index_put / _index_put_impl_(self, indices, values, accumulate)
+std::vector<Value> LowerIndexPut(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  at::ScalarType t = out.dtype;
+  Value self = Cast(b, ctx.tensor("self"), t);
+  const auto& list = ctx.arg("indices");
+  const bool accumulate = ctx.find("accumulate") && ctx.bool_arg("accumulate");
+  Value values = Cast(b, ctx.tensor("values"), t);
+  const bool is_bool = t == at::kBool;
+  // A single boolean mask with one value: a masked fill.
+  size_t present = 0, mask_at = 0;
+  bool has_mask = false;
+  for (size_t j = 0; j < list.list.size(); ++j) {
+    if (!list.present[j]) continue;
+    ++present;
+    if (IsMask(list, j)) {
+      has_mask = true;
+      mask_at = j;
+    }
+  }
+  if (has_mask) {
+    if (present != 1 || values.type.numel() != 1)
+      throw LoweringError(ctx.op_name() + ": boolean mask indices have a data-dependent shape");
+    Value mask = CastElement(b, list.list[mask_at], ElementType::kPred);
+    std::vector<int64_t> bd;
+    for (int64_t i = 0; i < mask.rank(); ++i) bd.push_back(static_cast<int64_t>(mask_at) + i);
+    if (static_cast<int64_t>(mask_at) + mask.rank() > self.rank())
+      throw LoweringError(ctx.op_name() + ": mask has too many dims");
+    for (int64_t i = 0; i < mask.rank(); ++i)
+      if (mask.dims()[static_cast<size_t>(i)] != self.dims()[mask_at + static_cast<size_t>(i)])
+        throw LoweringError(ctx.op_name() + ": mask shape does not match");
+    Value m = b.BroadcastInDim(mask, self.dims(), bd);
+    Value v = BroadcastTo(b, b.Reshape(values, std::vector<int64_t>{}), self.dims());
+    if (accumulate) v = is_bool ? b.Or(self, v) : b.Add(self, v);
+    return {Out(b, b.Select(m, v, self), out)};
+  }
+  AdvancedIndex ai = BuildAdvancedIndex(ctx, self, list);
+  if (Numel(ai.result_dims) == 0) return {Out(b, self, out)};
+  Value updates = BroadcastTo(b, values, ai.result_dims);
+  hlo::ScatterDims s;
+  s.update_window_dims = ai.offset_dims;
+  s.inserted_window_dims = ai.positions;
+  s.scatter_dims_to_operand_dims = ai.positions;
+  s.index_vector_dim = static_cast<int64_t>(ai.batch.size());
+  Value r = b.Scatter(self, ai.coords, updates, s, [accumulate, is_bool](Builder& bb, std::span<const Value> a) {
+    if (!accumulate) return std::vector<Value>{a[1]};
+    return std::vector<Value>{is_bool ? bb.Or(a[0], a[1]) : bb.Add(a[0], a[1])};
+  });
+  return {Out(b, r, out)};
+}
+
+// masked_scatter(self, mask, source): the i-th True position (row-major) of
+// the broadcast mask takes source.flatten()[i].
+std::vector<Value> LowerMaskedScatter(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value self = Cast(b, ctx.tensor("self"), out.dtype);
+  self = Fit(b, self, out.sizes);
+  Value mask = Prepare(b, ctx.tensor("mask"), at::kBool, out.sizes);
+  Value source = Cast(b, ctx.tensor("source"), out.dtype);
+  const int64_t n = Numel(out.sizes);
+  const int64_t ns = source.type.numel();
+  if (n == 0 || ns == 0) return {self};
+  int64_t nd[] = {n};
+  Value m = b.Reshape(mask, nd);
+  Value ones = b.Convert(m, ElementType::kS64);
+  // inclusive prefix sum (Hillis-Steele) minus one = source position
+  Value pos = ones;
+  for (int64_t k = 1; k < n; k *= 2) {
+    int64_t st[] = {0}, li[] = {n - k}, sr[] = {1}, lo[] = {k}, hi[] = {0}, in[] = {0};
+    Value head = b.Slice(pos, st, li, sr);
+    pos = b.Add(pos, b.Pad(head, Const(b, ElementType::kS64, 0), lo, hi, in));
+  }
+  pos = b.Sub(pos, ConstLike(b, pos, 1));
+  pos = b.Clamp(Const(b, ElementType::kS64, 0, nd), pos, Const(b, ElementType::kS64, static_cast<double>(ns - 1), nd));
+  Value flat_src = b.Reshape(source, std::vector<int64_t>{ns});
+  Value picked = SelectAlong(b, flat_src, 0, pos);
+  Value r = b.Select(m, picked, b.Reshape(self, nd));
+  return {Out(b, r, out)};
+}
+
+// ---------------------------------------------------------------------------
+// cat / stack
+
+std::vector<Value> LowerCat(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  const auto& list = ctx.arg("tensors");
+  if (Numel(out.sizes) == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  std::vector<Value> parts;
+  int64_t rank = static_cast<int64_t>(out.sizes.size());
+  int64_t dim = NormalizeDim(ctx.int_arg("dim"), rank);
+  for (size_t i = 0; i < list.list.size(); ++i) {
+    if (!list.present[i]) continue;
+    const Value& v = list.list[i];
+    if (v.rank() == 1 && v.dims()[0] == 0) continue;  // legacy empty tensors are skipped
+    if (v.type.numel() == 0) continue;
+    parts.push_back(Cast(b, v, out.dtype));
+  }
+  if (parts.empty()) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  return {Out(b, b.Concatenate(parts, dim), out)};
+}
+
+std::vector<Value> LowerStack(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  const auto& list = ctx.arg("tensors");
+  int64_t rank = static_cast<int64_t>(out.sizes.size());
+  int64_t dim = NormalizeDim(ctx.int_arg("dim"), rank);
+  if (Numel(out.sizes) == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  std::vector<Value> parts;
+  for (size_t i = 0; i < list.list.size(); ++i) {
+    std::vector<int64_t> d = list.list[i].dims();
+    d.insert(d.begin() + dim, 1);
+    parts.push_back(b.Reshape(Cast(b, list.list[i], out.dtype), d));
+  }
+  return {Out(b, b.Concatenate(parts, dim), out)};
+}
+
+// ---------------------------------------------------------------------------
+// padding, flips, rolls, repeats, triangles
+
+std::vector<Value> LowerConstantPadNd(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value x = Cast(b, ctx.tensor("self"), out.dtype);
+  auto pad = IntList(ctx, "pad");
+  const size_t r = static_cast<size_t>(x.rank());
+  std::vector<int64_t> low(r, 0), high(r, 0), interior(r, 0);
+  for (size_t i = 0; 2 * i < pad.size() && i < r; ++i) {
+    low[r - 1 - i] = pad[2 * i];
+    high[r - 1 - i] = 2 * i + 1 < pad.size() ? pad[2 * i + 1] : 0;
+  }
+  if (Numel(out.sizes) == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  Value v = ctx.has("value") ? Cast(b, ctx.value("value"), out.dtype) : Const(b, ToElementType(out.dtype), 0);
+  if (x.type.numel() == 0) return {BroadcastTo(b, v, out.sizes)};
+  return {Out(b, b.Pad(x, v, low, high, interior), out)};
+}
+
+std::vector<Value> LowerFlip(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value x = ctx.tensor("self");
+  auto dims = ReductionDims(IntList(ctx, "dims"), x.rank());
+  if (IntList(ctx, "dims").empty()) dims.clear();
+  return {Out(b, b.Reverse(x, dims), out)};
+}
+
+Value RollDim(Builder& b, const Value& x, int64_t shift, int64_t dim) {
+  const int64_t n = x.dims()[static_cast<size_t>(dim)];
+  if (n == 0) return x;
+  int64_t s = ((shift % n) + n) % n;
+  if (s == 0) return x;
+  const size_t r = static_cast<size_t>(x.rank());
+  std::vector<int64_t> st(r, 0), li = x.dims(), sr(r, 1);
+  st[static_cast<size_t>(dim)] = n - s;
+  Value tail = b.Slice(x, st, li, sr);
+  st[static_cast<size_t>(dim)] = 0;
+  li[static_cast<size_t>(dim)] = n - s;
+  Value head = b.Slice(x, st, li, sr);
+  Value parts[] = {tail, head};
+  return b.Concatenate(parts, dim);
+}
+
+std::vector<Value> LowerRoll(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value x = ctx.tensor("self");
+  auto shifts = IntList(ctx, "shifts");
+  auto dims = IntList(ctx, "dims");
+  if (dims.empty()) {
+    std::vector<int64_t> shape = x.dims();
+    Value flat = b.Reshape(x, std::vector<int64_t>{x.type.numel()});
+    return {Out(b, b.Reshape(RollDim(b, flat, shifts.at(0), 0), shape), out)};
+  }
+  if (shifts.size() != dims.size()) throw LoweringError(ctx.op_name() + ": shifts and dims differ in length");
+  for (size_t i = 0; i < dims.size(); ++i) x = RollDim(b, x, shifts[i], NormalizeDim(dims[i], x.rank()));
+  return {Out(b, x, out)};
+}
+
+std::vector<Value> LowerRepeat(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value x = ctx.tensor("self");
+  auto reps = IntList(ctx, "repeats");
+  if (Numel(out.sizes) == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  const size_t n = reps.size();
+  std::vector<int64_t> padded(n - static_cast<size_t>(x.rank()), 1);
+  for (int64_t d : x.dims()) padded.push_back(d);
+  x = b.Reshape(x, padded);
+  std::vector<int64_t> big, bd;
+  for (size_t i = 0; i < n; ++i) {
+    big.push_back(reps[i]);
+    big.push_back(padded[i]);
+    bd.push_back(static_cast<int64_t>(2 * i + 1));
+  }
+  Value r = b.BroadcastInDim(x, big, bd);
+  return {Out(b, b.Reshape(r, out.sizes), out)};
+}
+
+std::vector<Value> Triangle(LoweringContext& ctx, bool lower) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value x = Cast(b, ctx.tensor("self"), out.dtype);
+  if (x.rank() < 2) throw LoweringError(ctx.op_name() + ": input must have at least 2 dims");
+  int64_t diagonal = ctx.has("diagonal") ? ctx.int_arg("diagonal") : 0;
+  TensorType it{ElementType::kS64, x.dims()};
+  Value row = b.Iota(it, x.rank() - 2), col = b.Iota(it, x.rank() - 1);
+  Value diff = b.Sub(col, row);
+  Value keep = b.Compare(diff, Const(b, ElementType::kS64, static_cast<double>(diagonal), x.dims()),
+                         lower ? CompareDirection::kLE : CompareDirection::kGE);
+  return {Out(b, b.Select(keep, x, ConstLike(b, x, 0)), out)};
+}
+std::vector<Value> LowerTril(LoweringContext& ctx) { return Triangle(ctx, true); }
+std::vector<Value> LowerTriu(LoweringContext& ctx) { return Triangle(ctx, false); }
+
+// ---------------------------------------------------------------------------
+// factories
+
+c10::Scalar StaticScalar(const LoweringContext& ctx, std::string_view name, double dflt) {
+  const LoweredArg* a = ctx.find(name);
+  if (!a || a->kind == LoweredArg::Kind::kNone || a->ivalue.isNone()) return c10::Scalar(dflt);
+  if (a->kind != LoweredArg::Kind::kStatic) throw LoweringError(ctx.op_name() + ": scalar is not static");
+  return a->ivalue.toScalar();
+}
+
+// arange: start + i * step, computed as PyTorch's CPU kernel does (in int64
+// for integer outputs, in double for floating ones) and converted once.
+std::vector<Value> LowerArange(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  c10::Scalar start = StaticScalar(ctx, "start", 0), step = StaticScalar(ctx, "step", 1);
+  if (out.sizes.size() != 1) throw LoweringError(ctx.op_name() + ": unexpected output rank");
+  const int64_t n = out.sizes[0];
+  if (n == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  if (at::isIntegralType(out.dtype, /*includeBool=*/true)) {
+    Value i = b.Iota(TensorType{ElementType::kS64, {n}}, 0);
+    Value st = b.ConstantInt(TensorType{ElementType::kS64, {}}, step.toLong());
+    Value s0 = b.ConstantInt(TensorType{ElementType::kS64, {}}, start.toLong());
+    Value r = b.Add(b.Mul(i, BroadcastTo(b, st, out.sizes)), BroadcastTo(b, s0, out.sizes));
+    return {Out(b, r, out)};
+  }
+  // bf16/f16: PyTorch accumulates in float; f32/f64 in double.
+  ElementType e = (out.dtype == at::kBFloat16 || out.dtype == at::kHalf) ? ElementType::kF32 : ElementType::kF64;
+  Value i = b.Iota(TensorType{e, {n}}, 0);
+  Value r = b.Add(b.Mul(i, Const(b, e, step.toDouble(), out.sizes)), Const(b, e, start.toDouble(), out.sizes));
+  return {Out(b, r, out)};
+}
+
+std::vector<Value> LowerFull(LoweringContext& ctx) {
+  const auto& out = ctx.outputs[0];
+  return {Prepare(ctx.b, ctx.value("fill_value"), out.dtype, out.sizes)};
+}
+
+std::vector<Value> LowerEye(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  if (out.sizes.size() != 2) throw LoweringError(ctx.op_name() + ": unexpected output rank");
+  TensorType it{ElementType::kS64, out.sizes};
+  Value diag = b.Compare(b.Iota(it, 0), b.Iota(it, 1), CompareDirection::kEQ);
+  return {Out(b, diag, out)};
+}
+
+// ---------------------------------------------------------------------------
+// sort / topk: stable, NaN sorted as the largest value (as on CPU).
+
+std::pair<Value, Value> SortAlong(Builder& b, const Value& x, int64_t dim, bool descending) {
+  Value idx = b.Iota(TensorType{ElementType::kS64, x.dims()}, dim);
+  Value in[] = {x, idx};
+  const bool floating = hlo::IsFloating(x.element());
+  auto r = b.Sort(in, dim, true, [&](Builder& bb, std::span<const Value> a) {
+    const Value &l = a[0], &rr = a[1];
+    Value lv = l, rv = rr;
+    if (l.element() == ElementType::kPred) {
+      lv = bb.Convert(l, ElementType::kU8);
+      rv = bb.Convert(rr, ElementType::kU8);
+    }
+    Value cmp = bb.Compare(lv, rv, descending ? CompareDirection::kGT : CompareDirection::kLT);
+    if (floating) {
+      Value l_nan = bb.Compare(lv, lv, CompareDirection::kNE);
+      Value r_nan = bb.Compare(rv, rv, CompareDirection::kNE);
+      // ascending: non-NaN < NaN; descending: NaN first.
+      Value nan_order = descending ? bb.And(l_nan, bb.Not(r_nan)) : bb.And(bb.Not(l_nan), r_nan);
+      cmp = bb.Or(cmp, nan_order);
+    }
+    return std::vector<Value>{cmp};
+  });
+  return {r[0], r[1]};
+}
+
+std::vector<Value> LowerSort(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  Value x = ctx.tensor("self");
+  const bool descending = ctx.has("descending") && ctx.bool_arg("descending");
+  if (x.rank() == 0) return {Out(b, x, ctx.outputs[0]), Const(b, ElementType::kS64, 0)};
+  int64_t dim = NormalizeDim(ctx.has("dim") ? ctx.int_arg("dim") : -1, x.rank());
+  if (x.type.numel() == 0) return {Out(b, x, ctx.outputs[0]), Const(b, ElementType::kS64, 0, x.dims())};
+  auto [v, i] = SortAlong(b, x, dim, descending);
+  return {Out(b, v, ctx.outputs[0]), Out(b, i, ctx.outputs[1])};
+}
+
+std::vector<Value> LowerTopk(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  Value x = ctx.tensor("self");
+  const bool largest = !ctx.has("largest") || ctx.bool_arg("largest");
+  const int64_t k = ctx.int_arg("k");
+  if (x.rank() == 0) return {Out(b, x, ctx.outputs[0]), Const(b, ElementType::kS64, 0)};
+  int64_t dim = NormalizeDim(ctx.has("dim") ? ctx.int_arg("dim") : -1, x.rank());
+  if (Numel(ctx.outputs[0].sizes) == 0)
+    return {Const(b, ToElementType(ctx.outputs[0].dtype), 0, ctx.outputs[0].sizes),
+            Const(b, ElementType::kS64, 0, ctx.outputs[1].sizes)};
+  auto [v, i] = SortAlong(b, x, dim, largest);
+  const size_t r = static_cast<size_t>(x.rank());
+  std::vector<int64_t> st(r, 0), li = x.dims(), sr(r, 1);
+  li[static_cast<size_t>(dim)] = k;
+  return {Out(b, b.Slice(v, st, li, sr), ctx.outputs[0]), Out(b, b.Slice(i, st, li, sr), ctx.outputs[1])};
+}
+
+}  // namespace
+
+TORCH_TPU_LOWERINGS({
+    {"index_select", LowerIndexSelect, {.index_checks = {{"index", "self", "dim"}}}},
+    {"embedding", LowerEmbedding, {.index_checks = {{"indices", "weight", ""}}}},
+    {"gather", LowerGather, {.index_checks = {{"index", "self", "dim"}}}},
+    {"scatter", LowerScatter, {.index_checks = {{"index", "self", "dim"}}}},
+    {"scatter_add", LowerScatterAdd, {.index_checks = {{"index", "self", "dim"}}}},
+    {"scatter_reduce", LowerScatterReduce, {.index_checks = {{"index", "self", "dim"}}}},
+    {"index_add", LowerIndexAdd, {.index_checks = {{"index", "self", "dim"}}}},
+    {"index_copy", LowerIndexCopy, {.index_checks = {{"index", "self", "dim"}}}},
+    {"index", LowerIndex, {.index_checks = {{"indices", "self", "", true}}}},
+    {"index_put", LowerIndexPut, {.index_checks = {{"indices", "self", "", true}}}},
+    {"_index_put_impl", LowerIndexPut, {.index_checks = {{"indices", "self", "", true}}}},
+    {"masked_scatter", LowerMaskedScatter},
+    {"cat", LowerCat},
+    {"stack", LowerStack},
+    {"constant_pad_nd", LowerConstantPadNd},
+    {"flip", LowerFlip},
+    {"roll", LowerRoll},
+    {"repeat", LowerRepeat},
+    {"tril", LowerTril},
+    {"triu", LowerTriu},
+    {"arange", LowerArange, {.static_scalars = true}},
+    {"full", LowerFull},
+    {"eye", LowerEye},
+    {"sort", LowerSort},
+    {"topk", LowerTopk},
+});
+
+}  // namespace torch_tpu::lowering

@@ -1,0 +1,192 @@
+// Random sampling: uniform_, normal (in-place and functional overloads),
+// bernoulli, random_, exponential_. torch.rand/randn/randint/rand_like/
+// dropout masks reach these through empty + the in-place op.
+//
+// Bits come from stablehlo.rng_bit_generator (THREE_FRY) seeded with the op's
+// generator state (seed, offset); the executor advances the generator's
+// offset by the op's output size after each call, so consecutive calls
+// differ and torch.manual_seed reproduces a sequence. The streams are not
+// PyTorch's CPU streams (no backend matches them); the distributions are.
+#include <cmath>
+#include <limits>
+
+#include "lowering/helpers.h"
+
+namespace torch_tpu::lowering {
+namespace {
+
+using hlo::CompareDirection;
+
+Value Fit(Builder& b, const Value& v, const std::vector<int64_t>& sizes) {
+  if (v.dims() == sizes) return v;
+  if (v.type.numel() == TensorType{v.element(), sizes}.numel()) return b.Reshape(v, sizes);
+  return BroadcastTo(b, v, sizes);
+}
+
+Value Out(Builder& b, const Value& v, const OutputSpec& spec) { return Fit(b, Cast(b, v, spec.dtype), spec.sizes); }
+
+// Uniform values in [0, 1) of `dims`: f32 from 32 random bits (23 mantissa
+// bits) or, for f64 outputs, f64 from 64 bits (52 mantissa bits).
+Value Uniform(LoweringContext& ctx, std::span<const int64_t> dims, bool f64) {
+  auto& b = ctx.b;
+  std::vector<int64_t> d(dims.begin(), dims.end());
+  if (f64) {
+    auto [state, bits] = b.RngBitGenerator(ctx.rng_state(), TensorType{ElementType::kU64, d});
+    Value sh = b.Binary("stablehlo.shift_right_logical", bits, b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU64, {}}, 12), d, {}));
+    Value one = b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU64, {}}, 0x3FF0000000000000LL), d, {});
+    Value f = b.BitcastConvert(b.Or(sh, one), ElementType::kF64);
+    return b.Sub(f, ConstLike(b, f, 1.0));
+  }
+  auto [state, bits] = b.RngBitGenerator(ctx.rng_state(), TensorType{ElementType::kU32, d});
+  Value sh = b.Binary("stablehlo.shift_right_logical", bits, b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU32, {}}, 9), d, {}));
+  Value one = b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU32, {}}, 0x3F800000), d, {});
+  Value f = b.BitcastConvert(b.Or(sh, one), ElementType::kF32);
+  return b.Sub(f, ConstLike(b, f, 1.0));
+}
+
+bool WantsF64(at::ScalarType t) { return t == at::kDouble; }
+at::ScalarType FloatCompute(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// A float argument that is either static (a Python float) or a tensor.
+Value FloatOrTensor(LoweringContext& ctx, std::string_view name, at::ScalarType t,
+                    const std::vector<int64_t>& sizes, double dflt) {
+  const LoweredArg* a = ctx.find(name);
+  if (!a || a->kind == LoweredArg::Kind::kNone) return Const(ctx.b, ToElementType(t), dflt, sizes);
+  if (a->kind == LoweredArg::Kind::kTensor || a->kind == LoweredArg::Kind::kScalar)
+    return Prepare(ctx.b, a->value, t, sizes);
+  return Const(ctx.b, ToElementType(t), ctx.float_arg(name), sizes);
+}
+
+std::vector<Value> LowerUniform(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  if (!at::isFloatingType(out.dtype)) throw LoweringError(ctx.op_name() + ": uniform_ needs a floating dtype");
+  at::ScalarType t = FloatCompute(out.dtype);
+  const double from = ctx.has("from") ? ctx.float_arg("from") : 0.0;
+  const double to = ctx.has("to") ? ctx.float_arg("to") : 1.0;
+  Value u = Uniform(ctx, out.sizes, WantsF64(out.dtype));
+  Value r = b.Add(b.Mul(u, ConstLike(b, u, to - from)), ConstLike(b, u, from));
+  return {Out(b, Cast(b, r, t), out)};
+}
+
+// Box-Muller on pairs of uniforms.
+std::vector<Value> LowerNormal(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  if (!at::isFloatingType(out.dtype)) throw LoweringError(ctx.op_name() + ": normal needs a floating dtype");
+  at::ScalarType t = FloatCompute(out.dtype);
+  int64_t n = 1;
+  for (int64_t s : out.sizes) n *= s;
+  if (n == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  int64_t two_n[] = {2, n};
+  Value u = Uniform(ctx, two_n, WantsF64(out.dtype));
+  int64_t s0[] = {0, 0}, l0[] = {1, n}, s1[] = {1, 0}, l1[] = {2, n}, st[] = {1, 1};
+  int64_t flat[] = {n};
+  Value u1 = b.Reshape(b.Slice(u, s0, l0, st), flat);
+  Value u2 = b.Reshape(b.Slice(u, s1, l1, st), flat);
+  u1 = b.Sub(ConstLike(b, u1, 1.0), u1);  // (0, 1]
+  Value radius = b.Sqrt(b.Mul(ConstLike(b, u1, -2.0), b.Log(u1)));
+  Value angle = b.Mul(ConstLike(b, u2, 2.0 * M_PI), u2);
+  Value z = b.Reshape(b.Mul(radius, b.Unary("stablehlo.cosine", angle)), out.sizes);
+  Value mean = FloatOrTensor(ctx, "mean", t, out.sizes, 0.0);
+  Value std = FloatOrTensor(ctx, "std", t, out.sizes, 1.0);
+  return {Out(b, b.Add(b.Mul(z, std), mean), out)};
+}
+
+// bernoulli_(self, p: float | Tensor), bernoulli(self) (p = self),
+// bernoulli.p(self, p).
+std::vector<Value> LowerBernoulli(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  at::ScalarType t = FloatCompute(out.dtype);
+  Value p;
+  if (ctx.find("p")) {
+    p = FloatOrTensor(ctx, "p", t, out.sizes, 0.5);
+  } else {
+    p = Prepare(b, ctx.tensor("self"), t, out.sizes);
+  }
+  Value u = Cast(b, Uniform(ctx, out.sizes, t == at::kDouble), t);
+  Value hit = b.Compare(u, p, CompareDirection::kLT);
+  return {Out(b, hit, out)};
+}
+
+// random_: integers uniform in [from, to) (defaults: [0, 2^mantissa] for
+// floats, [0, max] for integers, as PyTorch).
+std::vector<Value> LowerRandom(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  int64_t from = 0;
+  uint64_t range = 0;  // 0 = 2^64
+  auto default_to = [&]() -> int64_t {
+    switch (out.dtype) {
+      case at::kBool: return 2;
+      case at::kByte: return 256;
+      case at::kChar: return 128;
+      case at::kShort: return 32768;
+      case at::kInt: return 2147483648LL;
+      case at::kLong: return std::numeric_limits<int64_t>::max();  // inclusive max handled below
+      case at::kHalf: return (1LL << 11) + 1;
+      case at::kBFloat16: return (1LL << 8) + 1;
+      case at::kFloat: return (1LL << 24) + 1;
+      case at::kDouble: return (1LL << 53) + 1;
+      default: throw LoweringError(ctx.op_name() + ": unsupported dtype");
+    }
+  };
+  if (ctx.find("from")) {
+    from = ctx.int_arg("from");
+    if (ctx.has("to")) {
+      range = static_cast<uint64_t>(ctx.int_arg("to")) - static_cast<uint64_t>(from);
+    } else {
+      // to=None: up to the dtype's max (inclusive)
+      int64_t top = default_to();
+      range = out.dtype == at::kLong ? static_cast<uint64_t>(top) - static_cast<uint64_t>(from) + 1
+                                     : static_cast<uint64_t>(top) - static_cast<uint64_t>(from);
+    }
+  } else if (ctx.has("to")) {
+    range = static_cast<uint64_t>(ctx.int_arg("to"));
+  } else {
+    int64_t top = default_to();
+    range = out.dtype == at::kLong ? static_cast<uint64_t>(top) + 1 : static_cast<uint64_t>(top);
+  }
+  std::vector<int64_t> d = out.sizes;
+  auto [state, bits] = b.RngBitGenerator(ctx.rng_state(), TensorType{ElementType::kU64, d});
+  auto u64 = [&](uint64_t x) {
+    return b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU64, {}}, static_cast<int64_t>(x)), d, {});
+  };
+  Value v = bits;
+  if (range != 0 && (range & (range - 1)) == 0) {
+    v = b.And(bits, u64(range - 1));
+  } else if (range != 0) {
+    if (range > (uint64_t{1} << 63)) throw LoweringError(ctx.op_name() + ": range too large");
+    v = b.Rem(bits, u64(range));
+  }
+  // v < range <= 2^63 (or all 64 bits): add `from` with int64 wrap-around.
+  v = b.BitcastConvert(v, ElementType::kS64);
+  v = b.Add(v, b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kS64, {}}, from), d, {}));
+  if (out.dtype == at::kBool) return {Out(b, b.Compare(v, ConstLike(b, v, 0), CompareDirection::kNE), out)};
+  return {Out(b, v, out)};
+}
+
+std::vector<Value> LowerExponential(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  if (!at::isFloatingType(out.dtype)) throw LoweringError(ctx.op_name() + ": exponential_ needs a floating dtype");
+  at::ScalarType t = FloatCompute(out.dtype);
+  const double lambd = ctx.has("lambd") ? ctx.float_arg("lambd") : 1.0;
+  Value u = Uniform(ctx, out.sizes, WantsF64(out.dtype));
+  // -log(1 - u) / lambda, u in [0, 1): finite and >= 0.
+  Value r = b.Div(b.Neg(b.Unary("stablehlo.log_plus_one", b.Neg(u))), ConstLike(b, u, lambd));
+  return {Out(b, Cast(b, r, t), out)};
+}
+
+}  // namespace
+
+TORCH_TPU_LOWERINGS({
+    {"uniform", LowerUniform, {.needs_rng = true}},
+    {"normal", LowerNormal, {.needs_rng = true}},
+    {"bernoulli", LowerBernoulli, {.needs_rng = true}},
+    {"random", LowerRandom, {.needs_rng = true}},
+    {"exponential", LowerExponential, {.needs_rng = true}},
+});
+
+}  // namespace torch_tpu::lowering

@@ -1,0 +1,241 @@
+"""Random lowerings (csrc/lowering/random.cpp): uniform_, normal, bernoulli,
+random_, exponential_ and what reaches them (rand, randn, randint,
+rand_like, dropout masks).
+
+The tpu streams are not PyTorch's CPU streams, so the tests check what a
+user relies on: reproducibility under a seed, different values on successive
+calls, bounds, dtypes and shapes, and the first two moments within a
+statistical tolerance (1e5 samples: ~5 standard errors). Each test checks
+that none of these ops ran through the CPU fallback.
+"""
+import contextlib
+import math
+
+import pytest
+import torch
+import torch_tpu
+
+TPU = torch.device("tpu")
+OURS = {"uniform", "normal", "bernoulli", "random", "exponential"}
+N = 100_000
+
+
+def _base(op_name):
+    name = op_name.split("::")[-1].split(".")[0]
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+@contextlib.contextmanager
+def no_fallback(names=OURS):
+    before = dict(torch_tpu.metrics()["cpu_fallbacks"])
+    yield
+    after = torch_tpu.metrics()["cpu_fallbacks"]
+    new = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    ours = {k: v for k, v in new.items() if _base(k) in names}
+    assert not ours, f"ops fell back to the CPU: {ours}"
+
+
+def moments_ok(x, mean, std, k=5.0):
+    x = x.double()
+    n = x.numel()
+    m, s = x.mean().item(), x.std().item()
+    assert abs(m - mean) < k * std / math.sqrt(n) + 1e-12, (m, mean)
+    # the standard error of the sample std is about std / sqrt(2n)
+    assert abs(s - std) < k * std / math.sqrt(2 * n) * 2 + 1e-12, (s, std)
+
+
+# --- reproducibility -----------------------------------------------------------------
+
+def test_tpu_manual_seed_reproduces():
+    with no_fallback():
+        torch.tpu.manual_seed(1234)
+        a1, b1 = torch.rand(64, device=TPU).cpu(), torch.randn(64, device=TPU).cpu()
+        torch.tpu.manual_seed(1234)
+        a2, b2 = torch.rand(64, device=TPU).cpu(), torch.randn(64, device=TPU).cpu()
+    assert torch.equal(a1, a2) and torch.equal(b1, b2)
+    assert not torch.equal(a1, b1)
+
+
+def test_torch_manual_seed_reproduces():
+    torch.manual_seed(0)
+    a = torch.rand(16, device=TPU).cpu()
+    torch.manual_seed(0)
+    b = torch.rand(16, device=TPU).cpu()
+    assert torch.equal(a, b)
+
+
+def test_generator_argument():
+    g1 = torch.Generator(device=TPU).manual_seed(7)
+    g2 = torch.Generator(device=TPU).manual_seed(7)
+    with no_fallback():
+        a = torch.rand(32, device=TPU, generator=g1).cpu()
+        b = torch.rand(32, device=TPU, generator=g2).cpu()
+        c = torch.rand(32, device=TPU, generator=g1).cpu()
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.rand(1000, device=TPU),
+    lambda: torch.randn(1000, device=TPU),
+    lambda: torch.randint(0, 1 << 30, (1000,), device=TPU),
+    lambda: torch.empty(1000, device=TPU).bernoulli_(0.5),
+    lambda: torch.empty(1000, device=TPU).exponential_(),
+], ids=["rand", "randn", "randint", "bernoulli", "exponential"])
+def test_successive_calls_differ(make):
+    with no_fallback():
+        a, b = make().cpu(), make().cpu()
+    assert not torch.equal(a, b)
+
+
+# --- uniform ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rand_bounds_and_moments(dtype):
+    with no_fallback():
+        x = torch.rand(N, device=TPU, dtype=dtype)
+    assert x.dtype == dtype and x.shape == (N,)
+    x = x.cpu()
+    assert (x >= 0).all() and (x <= 1).all()
+    if dtype != torch.bfloat16:
+        assert (x < 1).all()
+    moments_ok(x, 0.5, math.sqrt(1 / 12), k=6 if dtype == torch.bfloat16 else 5)
+
+
+def test_uniform_range_inplace_and_like():
+    t = torch.zeros(300, 400, device=TPU)
+    with no_fallback():
+        r = t.uniform_(-3.0, 5.0)
+        like = torch.rand_like(t)
+    assert r is t
+    x = t.cpu()
+    assert (x >= -3).all() and (x < 5).all()
+    moments_ok(x, 1.0, 8 / math.sqrt(12))
+    assert like.shape == t.shape and like.device.type == "tpu"
+
+
+def test_uniform_into_view():
+    base = torch.zeros(10, 10, device=TPU)
+    with no_fallback():
+        base[:, 2:5].uniform_()
+    x = base.cpu()
+    assert (x[:, :2] == 0).all() and (x[:, 5:] == 0).all()
+    assert (x[:, 2:5] > 0).any()
+
+
+# --- normal ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_randn_moments(dtype):
+    with no_fallback():
+        x = torch.randn(N, device=TPU, dtype=dtype)
+    assert x.dtype == dtype
+    x = x.cpu()
+    assert torch.isfinite(x).all()
+    moments_ok(x, 0.0, 1.0, k=6 if dtype == torch.bfloat16 else 5)
+    # tails: about 0.27% beyond 3 sigma
+    frac = (x.double().abs() > 3).double().mean().item()
+    assert 0.0015 < frac < 0.004, frac
+
+
+def test_normal_overloads():
+    mean = torch.linspace(-5, 5, 10).repeat(10_000).to(TPU)
+    std = torch.full((100_000,), 2.0, device=TPU)
+    with no_fallback():
+        a = torch.normal(mean, 0.5)
+        b = torch.normal(3.0, std)
+        c = torch.normal(mean, std)
+        d = torch.normal(1.0, 2.0, size=(N,), device=TPU)
+        e = torch.empty(N, device=TPU).normal_(-2.0, 0.1)
+    moments_ok((a - mean).cpu(), 0.0, 0.5)
+    moments_ok(b.cpu(), 3.0, 2.0)
+    moments_ok((c - mean).cpu(), 0.0, 2.0)
+    moments_ok(d.cpu(), 1.0, 2.0)
+    moments_ok(e.cpu(), -2.0, 0.1)
+
+
+def test_nn_init():
+    w = torch.empty(256, 512, device=TPU)
+    with no_fallback():
+        torch.nn.init.normal_(w, std=0.02)
+        torch.nn.init.trunc_normal_(w, std=0.02)
+        torch.nn.init.xavier_uniform_(w)
+        torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    bound = 1 / math.sqrt(512)
+    x = w.cpu()
+    assert (x.abs() <= bound).all()
+
+
+# --- bernoulli -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1.0])
+def test_bernoulli_scalar_p(p):
+    with no_fallback():
+        x = torch.empty(N, device=TPU).bernoulli_(p).cpu()
+    assert set(x.unique().tolist()) <= {0.0, 1.0}
+    mean = x.mean().item()
+    assert abs(mean - p) < 5 * math.sqrt(p * (1 - p) / N) + 1e-12, mean
+
+
+def test_bernoulli_tensor_p_and_functional():
+    p = torch.tensor([0.0, 0.25, 0.9, 1.0]).repeat(25_000).to(TPU)
+    with no_fallback():
+        x = torch.bernoulli(p)
+        y = torch.empty(N, dtype=torch.bool, device=TPU).bernoulli_(p)
+        z = torch.bernoulli(torch.zeros(N, device=TPU), 0.3)
+    assert x.dtype == torch.float32 and y.dtype == torch.bool
+    for r in (x.cpu().float(), y.cpu().float()):
+        r = r.view(-1, 4)
+        assert r[:, 0].sum() == 0 and r[:, 3].sum() == 25_000
+        assert abs(r[:, 1].mean().item() - 0.25) < 0.015
+        assert abs(r[:, 2].mean().item() - 0.9) < 0.01
+    assert abs(z.cpu().mean().item() - 0.3) < 0.01
+
+
+# --- random_ / randint -------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.float32])
+def test_randint_bounds(dtype):
+    with no_fallback():
+        x = torch.randint(-3 if dtype != torch.uint8 else 3, 9, (N,), device=TPU, dtype=dtype).cpu()
+    lo = -3 if dtype != torch.uint8 else 3
+    assert x.dtype == dtype
+    assert x.min().item() == lo and x.max().item() == 8
+    counts = torch.bincount((x.long() - lo).flatten())
+    expected = N / (9 - lo)
+    assert (counts.double() - expected).abs().max() < 6 * math.sqrt(expected)
+
+
+def test_random_defaults():
+    with no_fallback():
+        a = torch.empty(N, dtype=torch.int64, device=TPU).random_().cpu()
+        b = torch.empty(N, dtype=torch.float32, device=TPU).random_().cpu()
+        c = torch.empty(N, dtype=torch.bool, device=TPU).random_().cpu()
+        d = torch.empty(N, dtype=torch.int64, device=TPU).random_(10).cpu()
+        e = torch.empty(N, dtype=torch.int64, device=TPU).random_(-(2 ** 40), 2 ** 40).cpu()
+    assert a.min() >= 0 and a.double().mean() > 2.0 ** 61
+    assert b.min() >= 0 and b.max() <= 2 ** 24 and (b == b.round()).all()
+    assert 0.45 < c.float().mean() < 0.55
+    assert d.min() == 0 and d.max() == 9
+    assert e.min() >= -(2 ** 40) and e.max() < 2 ** 40 and (e < 0).any() and (e > 2 ** 39).any()
+
+
+# --- exponential -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lambd", [1.0, 4.0])
+def test_exponential(lambd):
+    with no_fallback():
+        x = torch.empty(N, device=TPU).exponential_(lambd).cpu()
+    assert (x >= 0).all() and torch.isfinite(x).all()
+    moments_ok(x, 1 / lambd, 1 / lambd, k=6)
+
+
+# --- dropout through the generator ---------------------------------------------------------
+
+def test_dropout_reproducible_under_seed():
+    x = torch.ones(4096, device=TPU)
+    torch.tpu.manual_seed(3)
+    a = torch.nn.functional.dropout(x, 0.5).cpu()
+    torch.tpu.manual_seed(3)
+    b = torch.nn.functional.dropout(x, 0.5).cpu()
+    assert torch.equal(a, b)
