@@ -78,13 +78,15 @@ def _user_frame() -> str:
 
 _C._set_user_frame_hook(_user_frame)
 
-EAGER_MODES = ("strict", "debug")
+EAGER_MODES = ("strict", "debug", "fused")
 
 
 def set_eager_mode(mode: str) -> None:
     """Selects how tpu ops run: "strict" (default, asynchronous, one op at a
-    time) or "debug" (synchronous; index and NaN/Inf checks naming the op and
-    the user's source line). Raises ValueError for other names."""
+    time), "debug" (synchronous; index and NaN/Inf checks naming the op and
+    the user's source line) or "fused" (ops are recorded and run as one
+    compiled region at the next sync point). Raises ValueError for other
+    names."""
     if mode not in EAGER_MODES:
         raise ValueError(f"unknown tpu eager mode {mode!r}; expected one of {EAGER_MODES}")
     _C.set_eager_mode(mode)

@@ -10,7 +10,7 @@
 namespace torch_tpu::aten {
 namespace {
 
-void DeleteStorage(void* ptr) { delete static_cast<runtime::DeviceStorage*>(ptr); }
+void DeleteStorage(void* ptr) { runtime::ReleaseStorage(static_cast<runtime::DeviceStorage*>(ptr)); }
 
 struct Allocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {

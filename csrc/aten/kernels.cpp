@@ -60,7 +60,7 @@ std::vector<char> StorageBytes(const c10::Storage& storage, at::ScalarType dtype
   std::vector<char> bytes(storage.nbytes(), 0);
   auto* ds = static_cast<runtime::DeviceStorage*>(storage.data_ptr().get_context());
   if (ds && ds->initialized()) {
-    const auto& cur = ds->current();
+    const auto& cur = ds->Materialize(ds->current().element);
     size_t n = static_cast<size_t>(cur.numel) * runtime::ElementSize(cur.element);
     Runtime::Get().Download(cur, bytes.data(), std::min(n, bytes.size()));
   }
@@ -90,6 +90,7 @@ void GrowStorage(const at::Tensor& self, size_t nbytes) {
 
 const at::Tensor& Resize(const at::Tensor& self, c10::IntArrayRef size,
                          std::optional<at::MemoryFormat> memory_format) {
+  runtime::FlushPendingWork();  // recorded ops saw the old metadata
   auto* impl = self.unsafeGetTensorImpl();
   int64_t numel = c10::multiply_integers(size);
   size_t nbytes = numel == 0 ? 0
@@ -103,6 +104,7 @@ const at::Tensor& Resize(const at::Tensor& self, c10::IntArrayRef size,
 
 at::Tensor& SetStorage(at::Tensor& self, c10::Storage source, c10::SymInt storage_offset, c10::SymIntArrayRef size,
                        c10::SymIntArrayRef stride) {
+  runtime::FlushPendingWork();  // recorded ops saw the old metadata
   auto* impl = self.unsafeGetTensorImpl();
   impl->set_storage_keep_dtype(std::move(source));
   impl->set_storage_offset(storage_offset.expect_int());
@@ -151,6 +153,8 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst, bool non_block
     TORCH_CHECK(src.device().is_cpu(), "copy to tpu from ", src.device(), " is not supported; copy to the CPU first");
     at::Tensor host = src.to(dst.scalar_type());
     if (IsWholeStorage(dst)) {
+      // Replacing the buffer directly: recorded ops must see the old one.
+      runtime::FlushPendingWork();
       host = host.expand(dst.sizes()).contiguous();
       hlo::ElementType e = lowering::ToElementType(dst.scalar_type());
       int64_t dims[] = {dst.numel()};

@@ -16,6 +16,8 @@
 namespace py = pybind11;
 using torch_tpu::runtime::Runtime;
 
+void BindGraphProgram(py::module& m);  // graph_bindings.cpp
+
 namespace {
 
 py::dict Metrics() {
@@ -106,7 +108,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("metrics", &Metrics);
   m.def("cache_dir", [] { return torch_tpu::runtime::DiskCache::Get().directory(); });
   m.def("cache_max_bytes", [] { return torch_tpu::runtime::DiskCache::Get().max_bytes(); });
-  m.def("clear_executable_cache", [] { torch_tpu::runtime::GlobalOpCache().Clear(); });
+  m.def("clear_executable_cache", [] {
+    torch_tpu::runtime::FlushFusedRegion();
+    torch_tpu::runtime::GlobalOpCache().Clear();
+  });
+  m.def("_fused_region_size", [] { return torch_tpu::runtime::FusedRegionSize(); });
   m.def("lowered_ops", [] {
     std::vector<std::string> names;
     for (const auto* e : torch_tpu::lowering::AllLowerings()) names.emplace_back(e->name);
@@ -128,4 +134,5 @@ PYBIND11_MODULE(_C, m) {
     auto& s = torch_tpu::runtime::StorageOf(t);
     return s.initialized() ? std::string(torch_tpu::hlo::MlirName(s.current().element)) : std::string();
   });
+  BindGraphProgram(m);
 }

@@ -137,15 +137,6 @@ void AppendStatic(std::vector<int64_t>& atoms, const c10::IValue& v) {
   }
 }
 
-struct StorageIds {
-  std::vector<const DeviceStorage*> seen;
-  int64_t Id(const DeviceStorage* s) {
-    for (size_t i = 0; i < seen.size(); ++i)
-      if (seen[i] == s) return static_cast<int64_t>(i);
-    seen.push_back(s);
-    return static_cast<int64_t>(seen.size() - 1);
-  }
-};
 
 void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& ids) {
   atoms.push_back(static_cast<int64_t>(t.scalar_type()));
@@ -158,29 +149,34 @@ void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& 
   atoms.push_back(ids.Id(&StorageOf(t)));
 }
 
-// Fills `key` (reusing its storage: this runs for every op).
-void BuildKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
-              const lowering::LoweringEntry& entry, OpKey& key) {
+}  // namespace
+
+int64_t StorageIds::Id(const DeviceStorage* s) {
+  for (size_t i = 0; i < seen.size(); ++i)
+    if (seen[i] == s) return static_cast<int64_t>(i);
+  seen.push_back(s);
+  return static_cast<int64_t>(seen.size() - 1);
+}
+
+void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                   const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& ids) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
-  key.op = &schema;
-  key.atoms.clear();
-  StorageIds ids;
   bool has_f64 = CallHasF64(stack, first, args.size());
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = stack[first + i];
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
       if (!t.defined()) {
-        key.atoms.push_back(1);
+        atoms.push_back(1);
       } else if (OnTpu(t)) {
-        key.atoms.push_back(2);
-        AppendTensor(key.atoms, t, ids);
+        atoms.push_back(2);
+        AppendTensor(atoms, t, ids);
       } else if (t.dim() == 0 && t.device().is_cpu()) {
-        key.atoms.push_back(3);
-        key.atoms.push_back(static_cast<int64_t>(t.scalar_type()));
-        key.atoms.push_back(static_cast<int64_t>(CpuScalarElement(t, has_f64)));
-        key.atoms.push_back(t.unsafeGetTensorImpl()->is_wrapped_number());
+        atoms.push_back(3);
+        atoms.push_back(static_cast<int64_t>(t.scalar_type()));
+        atoms.push_back(static_cast<int64_t>(CpuScalarElement(t, has_f64)));
+        atoms.push_back(t.unsafeGetTensorImpl()->is_wrapped_number());
       } else {
         DeviceMismatch(t);
       }
@@ -188,29 +184,40 @@ void BuildKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, siz
                                     v.toListRef().size() > 0 &&
                                     (v.toListRef()[0].isTensor() || v.toListRef()[0].isNone()) &&
                                     !v.isIntList())) {
-      key.atoms.push_back(4);
+      atoms.push_back(4);
       const auto& list = v.toListRef();
-      key.atoms.push_back(static_cast<int64_t>(list.size()));
+      atoms.push_back(static_cast<int64_t>(list.size()));
       for (const auto& item : list) {
         if (item.isNone() || !item.toTensor().defined()) {
-          key.atoms.push_back(1);
+          atoms.push_back(1);
           continue;
         }
         const at::Tensor& t = item.toTensor();
         if (!OnTpu(t)) DeviceMismatch(t);
-        key.atoms.push_back(2);
-        AppendTensor(key.atoms, t, ids);
+        atoms.push_back(2);
+        AppendTensor(atoms, t, ids);
       }
     } else if (v.isGenerator()) {
-      key.atoms.push_back(5);
+      atoms.push_back(5);
     } else if (v.isScalar() && IsScalarType(args[i].type()) && !entry.traits.static_scalars) {
-      key.atoms.push_back(6);
-      key.atoms.push_back(static_cast<int64_t>(ScalarElement(v.toScalar(), has_f64)));
+      atoms.push_back(6);
+      atoms.push_back(static_cast<int64_t>(ScalarElement(v.toScalar(), has_f64)));
     } else {
-      key.atoms.push_back(7);
-      AppendStatic(key.atoms, v);
+      atoms.push_back(7);
+      AppendStatic(atoms, v);
     }
   }
+}
+
+namespace {
+
+// Fills `key` (reusing its storage: this runs for every op).
+void BuildKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+              const lowering::LoweringEntry& entry, OpKey& key) {
+  key.op = &op.schema();
+  key.atoms.clear();
+  StorageIds ids;
+  AppendCallKey(op, stack, first, entry, key.atoms, ids);
   size_t h = std::hash<const void*>()(key.op);
   for (int64_t a : key.atoms) h = c10::hash_combine(h, std::hash<int64_t>()(a));
   key.hash = h;
@@ -548,6 +555,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   CallSpec spec = ComputeSpec(op, stack, first);
   ApplyResizes(spec, stack, first);
   compiled->resize_outputs = spec.resize_outputs;
+  compiled->spec = spec;
 
   ProgramBuilder pb;
   auto new_values = pb.AddCall(0, op, stack, first, entry, spec);

@@ -70,8 +70,19 @@ struct ReturnSlot {
   int16_t index = 0;
 };
 
+// What PyTorch's meta kernel says about one call: per return, the output
+// spec and whether it is a written argument (in-place self, out=) or a new
+// tensor; out= arguments that must be resized first.
+struct CallSpec {
+  std::vector<lowering::OutputSpec> outputs;  // dtype of the target for written returns
+  std::vector<int16_t> return_alias;          // written argument, or -1 for a new tensor
+  std::vector<std::pair<int16_t, std::vector<int64_t>>> resize_outputs;
+  std::vector<bool> defined;                  // false: the op returns an undefined tensor (output_mask)
+};
+
 struct CompiledOp {
   std::string name;  // "aten::add.Tensor"
+  CallSpec spec;
   const lowering::LoweringEntry* entry = nullptr;
   std::unique_ptr<pjrt::Executable> executable;
   std::vector<InputSlot> inputs;
@@ -82,15 +93,6 @@ struct CompiledOp {
   std::string module_text;  // kept for TORCH_TPU_DUMP_HLO and errors
 };
 
-// What PyTorch's meta kernel says about one call: per return, the output
-// spec and whether it is a written argument (in-place self, out=) or a new
-// tensor; out= arguments that must be resized first.
-struct CallSpec {
-  std::vector<lowering::OutputSpec> outputs;  // dtype of the target for written returns
-  std::vector<int16_t> return_alias;          // written argument, or -1 for a new tensor
-  std::vector<std::pair<int16_t, std::vector<int64_t>>> resize_outputs;
-  std::vector<bool> defined;                  // false: the op returns an undefined tensor (output_mask)
-};
 // Runs the op on meta tensors; throws UnsupportedOp if it cannot.
 CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first);
 void ApplyResizes(const CallSpec& spec, const torch::jit::Stack& stack, size_t first);
@@ -165,6 +167,15 @@ class OpCache {
 };
 
 OpCache& GlobalOpCache();
+
+// Appends the key atoms of a call to `atoms`, numbering storages with
+// `storage_ids` (shared across the calls of a fused region).
+struct StorageIds {
+  std::vector<const DeviceStorage*> seen;
+  int64_t Id(const DeviceStorage* s);
+};
+void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                   const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& storage_ids);
 
 // Launches the op with the call's arguments (the last `num_args` values of
 // the stack), replaces them with the op's returns, and returns the new

@@ -10,6 +10,7 @@ namespace {
 EagerMode InitialMode() {
   if (const char* e = std::getenv("TORCH_TPU_EAGER_MODE"); e && *e) return ParseMode(e);
   if (const char* e = std::getenv("TPU_LAUNCH_BLOCKING"); e && std::string(e) == "1") return EagerMode::kDebug;
+  if (const char* e = std::getenv("TPU_DEFER_AND_FUSE"); e && std::string(e) == "1") return EagerMode::kFused;
   return EagerMode::kStrict;
 }
 
@@ -26,20 +27,32 @@ std::function<std::string()>& FrameHook() {
 }  // namespace
 
 EagerMode CurrentMode() { return static_cast<EagerMode>(ModeStorage().load(std::memory_order_relaxed)); }
-void SetMode(EagerMode mode) { ModeStorage().store(static_cast<int>(mode)); }
+void SetMode(EagerMode mode) {
+  if (mode != CurrentMode()) FlushFusedRegion();
+  ModeStorage().store(static_cast<int>(mode));
+}
 
 EagerMode ParseMode(const std::string& name) {
   if (name == "strict") return EagerMode::kStrict;
   if (name == "debug") return EagerMode::kDebug;
-  throw std::invalid_argument("unknown tpu eager mode '" + name + "' (expected 'strict' or 'debug')");
+  if (name == "fused") return EagerMode::kFused;
+  throw std::invalid_argument("unknown tpu eager mode '" + name + "' (expected 'strict', 'debug' or 'fused')");
 }
 
-const char* ModeName(EagerMode mode) { return mode == EagerMode::kDebug ? "debug" : "strict"; }
+const char* ModeName(EagerMode mode) {
+  switch (mode) {
+    case EagerMode::kDebug: return "debug";
+    case EagerMode::kFused: return "fused";
+    case EagerMode::kStrict: break;
+  }
+  return "strict";
+}
 
 void RunOp(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry) {
   switch (CurrentMode()) {
     case EagerMode::kDebug: return RunDebug(op, stack, entry);
     case EagerMode::kStrict: return RunStrict(op, stack, entry);
+    case EagerMode::kFused: return RunFused(op, stack, entry);
   }
 }
 

@@ -1,8 +1,10 @@
 // torch_tpu eager executors. Each executor is one file:
 //   strict_executor.cpp  asynchronous, one op at a time, program order
 //   debug_executor.cpp   synchronous, with index and NaN/Inf checks
+//   fused_executor.cpp   deferred: a region of ops compiled as one program
 // The active one is chosen by torch_tpu.set_eager_mode() or, at start-up,
-// TORCH_TPU_EAGER_MODE=debug|strict (also TPU_LAUNCH_BLOCKING=1 for debug).
+// TORCH_TPU_EAGER_MODE=debug|strict|fused (also TPU_LAUNCH_BLOCKING=1 for
+// debug, TPU_DEFER_AND_FUSE=1 for fused).
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -15,7 +17,7 @@
 
 namespace torch_tpu::runtime {
 
-enum class EagerMode : int { kStrict = 0, kDebug = 1 };
+enum class EagerMode : int { kStrict = 0, kDebug = 1, kFused = 2 };
 
 EagerMode CurrentMode();
 void SetMode(EagerMode mode);
@@ -30,6 +32,11 @@ void RunOp(const c10::OperatorHandle& op, torch::jit::Stack* stack, const loweri
 
 void RunStrict(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry);
 void RunDebug(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry);
+void RunFused(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry);
+// Compiles and runs the fused executor's recorded region (no-op if empty).
+void FlushFusedRegion();
+// Ops recorded in the current region.
+size_t FusedRegionSize();
 
 // Returns "file:line (function)" of the user's code calling into torch
 // (set by the Python module; empty when unknown).

@@ -91,7 +91,7 @@ class GraphProgram {
   int num_inputs() const { return static_cast<int>(inputs_.size()); }
   int num_calls() const { return num_calls_; }
   int num_rng_ops() const { return static_cast<int>(rng_increments_.size()); }
-  // Lowering base names that were asked for but are not registered.
+  // Whether the op ("aten::add.Tensor") has a lowering (by base name).
   static bool HasLowering(const std::string& qualified_name);
 
  private:

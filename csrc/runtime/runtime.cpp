@@ -50,7 +50,41 @@ DeviceStorage::~DeviceStorage() {
   if (instance) instance->OnFree(static_cast<int64_t>(nbytes_));
 }
 
+namespace {
+void (*flush_hook)() = nullptr;
+}  // namespace
+
+void SetFlushHook(void (*hook)()) { flush_hook = hook; }
+
+namespace {
+std::mutex kept_mutex;
+std::vector<DeviceStorage*> kept_storages;
+}  // namespace
+
+void ReleaseStorage(DeviceStorage* storage) {
+  if (storage->pending()) {
+    std::lock_guard<std::mutex> lock(kept_mutex);
+    kept_storages.push_back(storage);
+    return;
+  }
+  delete storage;
+}
+
+void ReleaseKeptStorages() {
+  std::vector<DeviceStorage*> kept;
+  {
+    std::lock_guard<std::mutex> lock(kept_mutex);
+    kept.swap(kept_storages);
+  }
+  for (DeviceStorage* s : kept) delete s;
+}
+void FlushPendingWork() {
+  if (flush_hook) flush_hook();
+}
+
 const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element) {
+  if (pending_) FlushPendingWork();
+  if (pending_) throw std::logic_error("tpu: a fused region left a storage without a value");
   if (current_.buffer) {
     if (ElementSize(current_.element) != ElementSize(element))
       throw std::runtime_error(std::string("tpu storage holds ") + std::string(hlo::MlirName(current_.element)) +
@@ -149,6 +183,7 @@ void Runtime::Track(std::unique_ptr<pjrt::Event> event, std::string op_name) {
 }
 
 void Runtime::Sync() {
+  FlushPendingWork();
   std::deque<std::pair<std::unique_ptr<pjrt::Event>, std::string>> pending;
   {
     std::lock_guard<std::mutex> lock(inflight_mutex_);

@@ -52,9 +52,20 @@ class DeviceStorage {
 
   size_t nbytes() const { return nbytes_; }
   int device_index() const { return device_index_; }
+  // element and numel are valid when initialized(); buffer only when not
+  // pending.
   const StorageBuffer& current() const { return current_; }
-  bool initialized() const { return current_.buffer != nullptr; }
-  void Set(StorageBuffer buffer) { current_ = std::move(buffer); }
+  bool initialized() const { return current_.buffer != nullptr || pending_; }
+  // A value computed by a fused region that has not run yet.
+  bool pending() const { return pending_; }
+  void MarkPending(hlo::ElementType element, int64_t numel) {
+    pending_ = true;
+    current_ = StorageBuffer{nullptr, element, numel, "fused region"};
+  }
+  void Set(StorageBuffer buffer) {
+    pending_ = false;
+    current_ = std::move(buffer);
+  }
   // The buffer typed as `element`, creating a zero-filled one if the storage
   // was never written. Throws if the storage holds another element type of a
   // different width.
@@ -63,8 +74,22 @@ class DeviceStorage {
  private:
   size_t nbytes_;
   int device_index_;
+  bool pending_ = false;
   StorageBuffer current_;
 };
+
+// Frees a storage (the allocator's deleter). A pending storage (created by
+// a fused region that has not run) is kept until the region has run, so
+// that its address cannot be reused by another storage of the same region.
+void ReleaseStorage(DeviceStorage* storage);
+// Frees the storages ReleaseStorage kept (the fused executor, after a flush).
+void ReleaseKeptStorages();
+
+// Runs the fused executor's recorded region, if any (set by the fused
+// executor; a no-op otherwise). Called before a pending storage is read and
+// at every sync point.
+void FlushPendingWork();
+void SetFlushHook(void (*hook)());
 
 class Runtime {
  public:

@@ -1,0 +1,413 @@
+#include "runtime/graph_program.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GeneratorImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+
+#include "lowering/helpers.h"
+#include "runtime/compiled_op.h"
+#include "runtime/disk_cache.h"
+#include "runtime/runtime.h"
+
+namespace torch_tpu::runtime {
+namespace {
+
+using lowering::LoweredArg;
+
+bool IsScalarType(const c10::TypePtr& t) {
+  if (t->kind() == c10::TypeKind::NumberType) return true;
+  if (auto opt = t->cast<c10::OptionalType>()) return opt->getElementType()->kind() == c10::TypeKind::NumberType;
+  return false;
+}
+
+bool IsOutArg(const c10::Argument& a) { return a.kwarg_only() && a.alias_info() && a.alias_info()->isWrite(); }
+
+bool IsGeneratorType(const c10::TypePtr& t) { return t->str().find("Generator") != std::string::npos; }
+
+std::string OpName(const c10::FunctionSchema& schema) {
+  return schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
+}
+
+int64_t Numel(const std::vector<int64_t>& sizes) {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  return n;
+}
+
+bool DumpHlo() {
+  static bool dump = [] {
+    const char* e = std::getenv("TORCH_TPU_DUMP_HLO");
+    return e && *e && std::string(e) != "0";
+  }();
+  return dump;
+}
+
+// A Python number compiled into the graph as a 0-d constant of the element
+// type an eager call would upload it as (floats f32 unless the call has an
+// f64 tensor, integers s64, booleans pred).
+hlo::Value ScalarConstant(hlo::Builder& b, const c10::Scalar& s, bool has_f64, hlo::ElementType* element) {
+  if (s.isBoolean()) {
+    *element = hlo::ElementType::kPred;
+    return b.Constant({*element, {}}, s.toBool() ? 1.0 : 0.0);
+  }
+  if (s.isIntegral(false)) {
+    *element = hlo::ElementType::kS64;
+    return b.ConstantInt({*element, {}}, s.toLong());
+  }
+  if (s.isFloatingPoint()) {
+    *element = has_f64 ? hlo::ElementType::kF64 : hlo::ElementType::kF32;
+    return b.Constant({*element, {}}, s.toDouble());
+  }
+  throw GraphUnsupported("complex scalars are not supported on tpu");
+}
+
+}  // namespace
+
+GraphProgram::GraphProgram(std::string name) : name_(std::move(name)) {}
+GraphProgram::~GraphProgram() = default;
+
+bool GraphProgram::HasLowering(const std::string& qualified_name) {
+  auto dot = qualified_name.find('.');
+  std::string name = dot == std::string::npos ? qualified_name : qualified_name.substr(0, dot);
+  std::string overload = dot == std::string::npos ? "" : qualified_name.substr(dot + 1);
+  auto op = c10::Dispatcher::singleton().findSchema({name, overload});
+  if (!op) return false;
+  return lowering::FindLowering(BaseName(op->schema())) != nullptr;
+}
+
+const GraphProgram::ValueInfo& GraphProgram::ValueAt(int id, const std::string& op) const {
+  if (id < 0 || id >= static_cast<int>(values_.size()))
+    throw GraphUnsupported(op + ": argument refers to unknown graph value " + std::to_string(id));
+  return values_[static_cast<size_t>(id)];
+}
+
+int GraphProgram::AddInput(at::ScalarType dtype, const std::vector<int64_t>& sizes) {
+  if (executable_) throw std::logic_error("GraphProgram: AddInput after Compile");
+  InputInfo in;
+  in.dtype = dtype;
+  in.sizes = sizes;
+  in.numel = Numel(sizes);
+  try {
+    in.element = lowering::ToElementType(dtype);
+  } catch (const lowering::LoweringError& e) {
+    throw GraphUnsupported(std::string("graph input: ") + e.what());
+  }
+  int64_t flat[] = {in.numel};
+  hlo::Value p = builder_.Parameter(hlo::TensorType{in.element, {flat[0]}});
+  params_.push_back({false, static_cast<int>(inputs_.size())});
+  ValueInfo v;
+  v.value = builder_.Reshape(p, sizes);
+  v.dtype = dtype;
+  v.input = static_cast<int>(inputs_.size());
+  inputs_.push_back(std::move(in));
+  values_.push_back(std::move(v));
+  return static_cast<int>(values_.size() - 1);
+}
+
+std::vector<int> GraphProgram::AddCall(const std::string& qualified_name, std::vector<GraphArg> args,
+                                       const std::vector<lowering::OutputSpec>& outputs) {
+  std::string name = qualified_name, overload;
+  if (auto dot = qualified_name.find('.'); dot != std::string::npos) {
+    name = qualified_name.substr(0, dot);
+    overload = qualified_name.substr(dot + 1);
+  }
+  auto op = c10::Dispatcher::singleton().findSchema({name, overload});
+  if (!op) throw GraphUnsupported("unknown operator " + qualified_name);
+  return AddCall(*op, std::move(args), outputs);
+}
+
+std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vector<GraphArg> args,
+                                       const std::vector<lowering::OutputSpec>& outputs) {
+  if (executable_) throw std::logic_error("GraphProgram: AddCall after Compile");
+  const auto& schema = op.schema();
+  const std::string op_name = OpName(schema);
+  const lowering::LoweringEntry* entry = lowering::FindLowering(BaseName(schema));
+  if (!entry) throw GraphUnsupported(op_name + " has no tpu lowering");
+  if (schema.is_mutable()) throw GraphUnsupported(op_name + " mutates its arguments (graphs must be functional)");
+  const auto& sargs = schema.arguments();
+
+  // Positions of non-out arguments; trailing ones take their defaults.
+  std::vector<size_t> positions;
+  for (size_t i = 0; i < sargs.size(); ++i)
+    if (!IsOutArg(sargs[i])) positions.push_back(i);
+  if (args.size() > positions.size())
+    throw GraphUnsupported(op_name + ": " + std::to_string(args.size()) + " arguments for " +
+                           std::to_string(positions.size()));
+  for (size_t k = args.size(); k < positions.size(); ++k) {
+    const c10::Argument& a = sargs[positions[k]];
+    if (!a.default_value()) throw GraphUnsupported(op_name + ": missing argument '" + a.name() + "'");
+    GraphArg d;
+    d.kind = a.default_value()->isNone() ? GraphArg::Kind::kNone : GraphArg::Kind::kConstant;
+    d.constant = *a.default_value();
+    args.push_back(std::move(d));
+  }
+
+  bool has_f64 = false;
+  for (const auto& ga : args) {
+    auto check = [&](int id) {
+      if (id < 0) return;
+      const auto& v = ValueAt(id, op_name);
+      if (v.dtype == at::kDouble && v.value.rank() > 0) has_f64 = true;
+    };
+    if (ga.kind == GraphArg::Kind::kValue) check(ga.id);
+    if (ga.kind == GraphArg::Kind::kList)
+      for (int id : ga.list) check(id);
+  }
+
+  lowering::LoweringContext ctx(builder_, schema);
+  for (size_t k = 0; k < positions.size(); ++k) {
+    const c10::Argument& a = sargs[positions[k]];
+    const GraphArg& ga = args[k];
+    LoweredArg la;
+    la.name = a.name();
+    switch (ga.kind) {
+      case GraphArg::Kind::kNone:
+        la.kind = LoweredArg::Kind::kNone;
+        la.ivalue = c10::IValue();
+        break;
+      case GraphArg::Kind::kValue: {
+        const ValueInfo& v = ValueAt(ga.id, op_name);
+        la.value = v.value;
+        la.dtype = v.dtype;
+        la.kind = IsScalarType(a.type()) ? LoweredArg::Kind::kScalar : LoweredArg::Kind::kTensor;
+        break;
+      }
+      case GraphArg::Kind::kList:
+        la.kind = LoweredArg::Kind::kTensorList;
+        for (int id : ga.list) {
+          if (id < 0) {
+            la.list.push_back(hlo::Value{});
+            la.present.push_back(false);
+          } else {
+            la.list.push_back(ValueAt(id, op_name).value);
+            la.present.push_back(true);
+          }
+        }
+        break;
+      case GraphArg::Kind::kConstant: {
+        const c10::IValue& c = ga.constant;
+        bool tensor_arg = a.type()->kind() == c10::TypeKind::TensorType ||
+                          (a.type()->cast<c10::OptionalType>() &&
+                           a.type()->cast<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType);
+        if (c.isNone()) {
+          la.kind = LoweredArg::Kind::kNone;
+          la.ivalue = c;
+        } else if (c.isGenerator() || IsGeneratorType(a.type())) {
+          la.kind = LoweredArg::Kind::kNone;
+        } else if (c.isTensor()) {
+          throw GraphUnsupported(op_name + ": tensor constant for argument '" + a.name() +
+                                 "' (pass it as a graph input)");
+        } else if ((IsScalarType(a.type()) && !entry->traits.static_scalars && c.isScalar()) ||
+                   (tensor_arg && c.isScalar())) {
+          // Python numbers: 0-d constants, as eager's 0-d runtime scalars.
+          hlo::ElementType e;
+          la.kind = LoweredArg::Kind::kScalar;
+          la.value = ScalarConstant(builder_, c.toScalar(), has_f64, &e);
+          la.dtype = lowering::ToScalarType(e);
+          la.wrapped_number = true;
+        } else {
+          la.kind = LoweredArg::Kind::kStatic;
+          la.ivalue = c;
+        }
+        break;
+      }
+    }
+    ctx.args.push_back(std::move(la));
+  }
+
+  // Returns: one spec per returned tensor (ops returning Tensor[] any number).
+  const auto& returns = schema.returns();
+  bool list_return = returns.size() == 1 && returns[0].type()->kind() == c10::TypeKind::ListType;
+  if (!list_return) {
+    for (const auto& r : returns)
+      if (r.type()->kind() != c10::TypeKind::TensorType)
+        throw GraphUnsupported(op_name + " returns a " + r.type()->str() + ", not a Tensor");
+    if (returns.size() != outputs.size())
+      throw GraphUnsupported(op_name + ": " + std::to_string(outputs.size()) + " output specs for " +
+                             std::to_string(returns.size()) + " returns");
+  }
+  ctx.outputs = outputs;
+
+  int64_t rng_increment = 0;
+  if (entry->traits.needs_rng) {
+    ctx.rng_state_value = builder_.Parameter(hlo::TensorType{hlo::ElementType::kU64, {2}});
+    for (const auto& o : outputs)
+      if (o.dtype != at::ScalarType::Undefined) rng_increment += std::max<int64_t>(Numel(o.sizes), 1);
+  }
+
+  std::vector<hlo::Value> results;
+  try {
+    results = entry->fn(ctx);
+  } catch (const lowering::LoweringError& e) {
+    throw GraphUnsupported(e.what());
+  } catch (const hlo::BuildError& e) {
+    throw GraphUnsupported("lowering of " + op_name + " failed: " + e.what());
+  }
+  if (!ctx.writes.empty()) throw GraphUnsupported(op_name + " writes to its arguments (not functional)");
+  if (results.size() != outputs.size())
+    throw GraphUnsupported("lowering of " + op_name + " returned " + std::to_string(results.size()) +
+                           " values for " + std::to_string(outputs.size()) + " outputs");
+  if (entry->traits.needs_rng) {
+    params_.push_back({true, static_cast<int>(rng_increments_.size())});
+    rng_increments_.push_back(rng_increment);
+  }
+
+  std::vector<int> ids;
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    const auto& spec = outputs[r];
+    if (spec.dtype == at::ScalarType::Undefined) {
+      ids.push_back(-1);
+      continue;
+    }
+    hlo::Value v;
+    try {
+      v = lowering::Cast(builder_, results[r], spec.dtype);
+      if (v.dims() != spec.sizes) {
+        v = Numel(spec.sizes) == v.type.numel() ? builder_.Reshape(v, spec.sizes)
+                                                : lowering::BroadcastTo(builder_, v, spec.sizes);
+      }
+    } catch (const std::exception& e) {
+      throw GraphUnsupported(op_name + ": result " + std::to_string(r) + " of type " + results[r].type.ToString() +
+                             " does not fit the output " + c10::str(spec.sizes) + ": " + e.what());
+    }
+    ValueInfo info;
+    info.value = std::move(v);
+    info.dtype = spec.dtype;
+    values_.push_back(std::move(info));
+    ids.push_back(static_cast<int>(values_.size() - 1));
+  }
+  ++num_calls_;
+  return ids;
+}
+
+void GraphProgram::SetOutputs(const std::vector<int>& ids) {
+  if (outputs_set_) throw std::logic_error("GraphProgram: SetOutputs called twice");
+  std::vector<hlo::Value> program_results;
+  std::vector<int> computed_ids;  // value id per program output
+  for (int id : ids) {
+    const ValueInfo& v = ValueAt(id, "graph output");
+    ResultSlot slot;
+    if (v.input >= 0) {
+      slot.kind = ResultSlot::Kind::kInput;
+      slot.index = v.input;
+    } else {
+      auto it = std::find(computed_ids.begin(), computed_ids.end(), id);
+      slot.kind = ResultSlot::Kind::kComputed;
+      if (it != computed_ids.end()) {
+        slot.index = static_cast<int>(it - computed_ids.begin());
+      } else {
+        slot.index = static_cast<int>(computed_ids.size());
+        computed_ids.push_back(id);
+        int64_t flat[] = {v.value.type.numel()};
+        program_results.push_back(builder_.Reshape(v.value, flat));
+        output_specs_.push_back({v.dtype, v.value.dims()});
+      }
+    }
+    results_.push_back(slot);
+  }
+  output_ids_ = ids;
+  builder_.Return(program_results);
+  outputs_set_ = true;
+}
+
+void GraphProgram::Compile() {
+  if (executable_) return;
+  if (!outputs_set_) throw std::logic_error("GraphProgram: Compile before SetOutputs");
+  module_text_ = builder_.Module();
+  if (DumpHlo()) std::cerr << "[torch_tpu] compiled graph " << name_ << ":\n" << module_text_;
+  auto& rt = Runtime::Get();
+  pjrt::CompileOptions options = rt.compile_options();
+  options.portable = true;  // one executable serves every device of the client
+  auto start = std::chrono::steady_clock::now();
+  try {
+    executable_ = DiskCache::Get().LoadOrCompile(rt.client(), module_text_, options);
+  } catch (const pjrt::Error& e) {
+    throw std::runtime_error("tpu: compiling graph " + name_ + " failed: " + e.what() + "\nmodule:\n" +
+                             module_text_);
+  }
+  rt.metrics().compiles++;
+  rt.metrics().compile_time_ns +=
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+}
+
+std::vector<at::Tensor> GraphProgram::Run(const std::vector<at::Tensor>& inputs) {
+  if (!executable_) Compile();
+  auto& rt = Runtime::Get();
+  if (inputs.size() != inputs_.size())
+    throw std::invalid_argument("tpu graph " + name_ + ": expected " + std::to_string(inputs_.size()) +
+                                " inputs, got " + std::to_string(inputs.size()));
+  int device_index = -1;
+  // Contiguous whole-storage versions of the inputs (kept alive until the
+  // launch has been enqueued; PJRT holds the buffers afterwards).
+  std::vector<at::Tensor> dense(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& t = inputs[i];
+    const InputInfo& info = inputs_[i];
+    if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1)
+      throw std::invalid_argument("tpu graph " + name_ + ": input " + std::to_string(i) + " is not a tpu tensor");
+    if (t.scalar_type() != info.dtype || t.sizes() != at::IntArrayRef(info.sizes))
+      throw std::invalid_argument("tpu graph " + name_ + ": input " + std::to_string(i) + " is " +
+                                  c10::toString(t.scalar_type()) + c10::str(t.sizes()) + ", the graph expects " +
+                                  c10::toString(info.dtype) + c10::str(info.sizes));
+    if (device_index < 0) device_index = t.device().index();
+    const DeviceStorage& s = StorageOf(t);
+    int64_t storage_numel = s.initialized() ? s.current().numel
+                                            : static_cast<int64_t>(s.nbytes() / ElementSize(info.element));
+    bool whole = t.is_contiguous() && t.storage_offset() == 0 && storage_numel == info.numel &&
+                 (!s.initialized() || s.current().element == info.element);
+    dense[i] = whole ? t : at::clone(t, at::MemoryFormat::Contiguous);
+  }
+  if (device_index < 0)
+    device_index = c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->getDevice().index();
+
+  std::vector<pjrt::Buffer*> args(params_.size());
+  std::vector<std::shared_ptr<pjrt::Buffer>> temps;
+  for (size_t p = 0; p < params_.size(); ++p) {
+    const ParamSlot& slot = params_[p];
+    if (!slot.rng) {
+      const InputInfo& info = inputs_[static_cast<size_t>(slot.index)];
+      args[p] = StorageOf(dense[static_cast<size_t>(slot.index)]).Materialize(info.element).buffer.get();
+      continue;
+    }
+    at::Generator gen = at::globalContext().defaultGenerator(
+        c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_index)));
+    uint64_t state[2];
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      state[0] = gen.current_seed();
+      state[1] = gen.get_offset();
+      gen.set_offset(state[1] + static_cast<uint64_t>(rng_increments_[static_cast<size_t>(slot.index)]));
+    }
+    int64_t dims[] = {2};
+    temps.push_back(rt.Upload(state, hlo::ElementType::kU64, dims, device_index));
+    args[p] = temps.back().get();
+  }
+
+  std::unique_ptr<pjrt::Event> done;
+  auto outs = executable_->Execute(args, rt.device(device_index), {}, &done);
+  rt.metrics().executions++;
+
+  std::vector<at::Tensor> computed;
+  computed.reserve(outs.size());
+  const std::string producer = "compiled graph " + name_;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const auto& spec = output_specs_[i];
+    hlo::ElementType element = lowering::ToElementType(spec.dtype);
+    StorageBuffer sb{std::shared_ptr<pjrt::Buffer>(std::move(outs[i])), element, Numel(spec.sizes), producer};
+    computed.push_back(WrapBuffer(std::move(sb), spec.sizes, spec.dtype, device_index));
+  }
+  if (done) rt.Track(std::move(done), producer);
+
+  std::vector<at::Tensor> results;
+  results.reserve(results_.size());
+  for (const auto& r : results_)
+    results.push_back(r.kind == ResultSlot::Kind::kInput ? inputs[static_cast<size_t>(r.index)]
+                                                         : computed[static_cast<size_t>(r.index)]);
+  return results;
+}
+
+}  // namespace torch_tpu::runtime
