@@ -1,0 +1,161 @@
+"""Fused eager mode: ops recorded and run as one compiled region at sync
+points; values equal to strict mode (and CPU) within float tolerances."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch_tpu
+
+from conftest import no_cpu_fallback, run_python
+
+
+@pytest.fixture
+def fused():
+    with torch_tpu.eager_mode("fused"):
+        yield
+    assert torch_tpu._C._fused_region_size() == 0  # leaving the mode flushes
+
+
+def _mlp_losses(device, mode, steps=20, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                                torch.nn.Linear(32, 4))
+    x = torch.randn(64, 16)
+    y = torch.randint(0, 4, (64,))
+    model = model.to(device)
+    x, y = x.to(device), y.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    losses = []
+    with torch_tpu.eager_mode(mode):
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses
+
+
+def test_mlp_training_matches_strict_and_cpu():
+    cpu = _mlp_losses("cpu", "strict")
+    strict = _mlp_losses("tpu", "strict")
+    with no_cpu_fallback():
+        fused = _mlp_losses("tpu", "fused")
+    for c, s, f in zip(cpu, strict, fused):
+        assert abs(f - c) <= 1e-3 * abs(c) + 1e-6
+        assert abs(f - s) <= 1e-4 * abs(s) + 1e-6
+    assert fused[-1] < fused[0]
+
+
+def test_one_execution_per_region_and_reuse(fused):
+    a = torch.randn(8, 8, device="tpu")
+    b = torch.randn(8, 8, device="tpu")
+
+    def step():
+        y = torch.relu(a @ b) * 0.5 + a
+        z = torch.softmax(y, dim=-1).sum(dim=0)
+        return z.cpu()
+
+    step()  # the first region also holds the randn calls above
+    step()  # compiles the steady-state region
+    before = torch_tpu.metrics()
+    results = [step() for _ in range(3)]
+    after = torch_tpu.metrics()
+    assert after["executions"] - before["executions"] == 3  # one program per region
+    assert after["compiles"] == before["compiles"]  # same structure: no recompiles
+    ref = torch.softmax(torch.relu(a.cpu() @ b.cpu()) * 0.5 + a.cpu(), dim=-1).sum(dim=0)
+    for r in results:
+        torch.testing.assert_close(r, ref)
+
+
+def test_values_do_not_enter_the_key(fused):
+    x = torch.randn(16, device="tpu")
+    (x * 2.0 + 1.0).cpu()  # region with randn's calls
+    (x * 2.0 + 1.0).cpu()  # the steady-state region
+    before = torch_tpu.metrics()["compiles"]
+    for s in (3.0, 4.0, 5.0):
+        got = (x * s + 1.0).cpu()
+        torch.testing.assert_close(got, x.cpu() * s + 1.0)
+    assert torch_tpu.metrics()["compiles"] == before
+
+
+def test_inplace_on_views_inside_a_region(fused):
+    base_cpu = torch.arange(48.0).reshape(6, 8)
+    base = base_cpu.to("tpu")
+    for t in (base_cpu, base):
+        v = t[1:5, ::2].t()
+        v.add_(100)
+        v.mul_(2)
+        t[0].copy_(t[5])
+        t.diagonal().zero_()
+    torch.testing.assert_close(base.cpu(), base_cpu, rtol=0, atol=0)
+    torch.testing.assert_close(base.t()[2].cpu(), base_cpu.t()[2], rtol=0, atol=0)
+
+
+def test_sync_points(fused):
+    x = torch.arange(10.0, device="tpu")
+    y = x * 3
+    assert torch_tpu._C._fused_region_size() > 0
+    if (y.sum() > 100).item():  # data-dependent Python branch: a sync point
+        z = y - 1
+    else:
+        z = y + 1
+    assert torch_tpu._C._fused_region_size() > 0
+    assert str(z) == str(torch.arange(10.0) * 3 - 1)[:-1] + ", device='tpu:0')"  # printing syncs
+    w = x + 1
+    torch.tpu.synchronize()
+    assert torch_tpu._C._fused_region_size() == 0
+    assert w[3].item() == 4.0
+
+
+def test_dead_temporaries_are_not_outputs(fused):
+    x = torch.randn(32, 32, device="tpu")
+    y = x
+    for _ in range(10):
+        y = torch.tanh(y) * 1.5
+    torch.testing.assert_close(y.cpu(), _tanh_chain(x.cpu()))
+
+
+def _tanh_chain(x):
+    for _ in range(10):
+        x = torch.tanh(x) * 1.5
+    return x
+
+
+def test_region_size_bound():
+    code = """
+import torch, torch_tpu
+torch_tpu.set_eager_mode("fused")
+x = torch.zeros(4, device="tpu")
+for i in range(25):
+    x.add_(1)
+assert torch_tpu._C._fused_region_size() == (1 + 25) % 8  # zeros() records zero_
+print(x.cpu().tolist())
+"""
+    r = run_python(code, env={"TORCH_TPU_FUSED_MAX_OPS": "8"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[25.0, 25.0, 25.0, 25.0]"
+
+
+def test_cpu_fallback_inside_a_region(fused):
+    x = torch.randn(5, 7)
+    t = x.to("tpu") * 2
+    v, i = torch.kthvalue(t, 2, dim=1)  # no lowering: a sync point, runs on CPU
+    out = (v + 1).cpu()
+    torch.testing.assert_close(out, torch.kthvalue(x * 2, 2, dim=1)[0] + 1)
+
+
+def test_random_ops_in_a_region(fused):
+    torch.manual_seed(3)
+    a = (torch.rand(100, device="tpu") * 2).cpu()
+    torch.manual_seed(3)
+    b = (torch.rand(100, device="tpu") * 2).cpu()
+    assert torch.equal(a, b)
+    assert 0 <= a.min() and a.max() < 2
+
+
+@pytest.mark.parametrize("env", [{"TORCH_TPU_EAGER_MODE": "fused"}, {"TPU_DEFER_AND_FUSE": "1"}])
+def test_mode_from_environment(env):
+    r = run_python("import torch_tpu; print(torch_tpu.get_eager_mode())", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "fused"
