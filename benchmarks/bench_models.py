@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Model benchmarks, every configuration measured side by side in one run.
+
+(b) MLP training step (forward, backward, AdamW), batch 64;
+(c) all-MiniLM-L6-v2 encoder forward, batch 8 x 128 tokens, no grad;
+for: CPU eager, torch.compile with inductor on CPU, tpu strict, tpu fused,
+torch.compile(backend="tpu"). Prints milliseconds per call (median of
+--iters after --warmup calls) and the ratio to CPU eager (lower is faster).
+(d) a fresh process's time to the first result of the compiled encoder with
+an empty vs a warm executable cache.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import _minilm  # noqa: E402  (offline environment before transformers)
+import torch  # noqa: E402
+import torch_tpu  # noqa: E402
+
+CONFIGS = ["cpu eager", "cpu inductor", "tpu strict", "tpu fused", "tpu compile"]
+
+
+def _median_ms(fn, sync, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _sync_for(device):
+    return torch.tpu.synchronize if device == "tpu" else (lambda: None)
+
+
+def mlp_step_factory(config):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
+                                torch.nn.GELU(), torch.nn.Linear(512, 10))
+    device = "tpu" if config.startswith("tpu") else "cpu"
+    model = model.to(device)
+    x = torch.randn(64, 256).to(device)
+    y = torch.randint(0, 10, (64,)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    forward = model
+    if config == "cpu inductor":
+        forward = torch.compile(model)
+    elif config == "tpu compile":
+        forward = torch.compile(model, backend="tpu")
+
+    def step():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    return step, device
+
+
+def encoder_factory(config, model_cpu, batch_cpu):
+    device = "tpu" if config.startswith("tpu") else "cpu"
+    model = copy.deepcopy(model_cpu).to(device).eval()
+    batch = {k: v.to(device) for k, v in batch_cpu.items()}
+    forward = model
+    if config == "cpu inductor":
+        forward = torch.compile(model)
+    elif config == "tpu compile":
+        forward = torch.compile(model, backend="tpu")
+
+    def run():
+        with torch.no_grad():
+            return forward(**batch).last_hidden_state
+    return run, device
+
+
+def measure(name, factory, args):
+    print(f"\n## {name}\n")
+    print("| configuration | ms per call | ratio to CPU eager |")
+    print("|---|---|---|")
+    base = None
+    results = {}
+    for config in CONFIGS:
+        if config in args.skip:
+            continue
+        mode = "fused" if config == "tpu fused" else "strict"
+        try:
+            with torch_tpu.eager_mode(mode):
+                fn, device = factory(config)
+                ms = _median_ms(fn, _sync_for(device), args.warmup, args.iters)
+        except Exception as e:  # a configuration that cannot run is reported, not fatal
+            print(f"| {config} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} | |")
+            continue
+        base = base or (ms if config == "cpu eager" else None)
+        results[config] = ms
+        ratio = f"{ms / base:.2f}x" if base else "n/a"
+        print(f"| {config} | {ms:.2f} | {ratio} |", flush=True)
+    return results
+
+
+FIRST_RESULT = r"""
+import os, sys, time
+start = time.perf_counter()
+sys.path.insert(0, {examples!r})
+import _minilm, torch, torch_tpu
+tok, model = _minilm.load(_minilm.model_dir())
+model = model.eval().to("tpu")
+ids = torch.randint(1000, 2000, (8, 128)).to("tpu")
+mask = torch.ones(8, 128, dtype=torch.long).to("tpu")
+compiled = torch.compile(model, backend="tpu")
+t0 = time.perf_counter()
+with torch.no_grad():
+    out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+out.sum().item()
+print(f"{{time.perf_counter() - t0:.3f}} {{time.perf_counter() - start:.3f}}")
+"""
+
+
+def first_result(args):
+    print("\n## (d) fresh process, compiled encoder: time to the first result\n")
+    print("| cache | first call (s) | whole process incl. imports and model load (s) |")
+    print("|---|---|---|")
+    code = FIRST_RESULT.format(examples=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCH_TPU_CACHE_DIR=cache)
+        times = {}
+        for label in ("empty", "warm"):
+            r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+            if r.returncode != 0:
+                print(f"| {label} | failed: {r.stderr.strip().splitlines()[-1][:100]} | |")
+                return
+            first, total = map(float, r.stdout.split())
+            times[label] = first
+            print(f"| {label} | {first:.3f} | {total:.3f} |", flush=True)
+        print(f"\nwarm cache speed-up of the first call: {times['empty'] / times['warm']:.1f}x")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--skip", default="", help="comma-separated configurations to skip")
+    p.add_argument("--only", default="b,c,d", help="which benchmarks: b,c,d")
+    args = p.parse_args()
+    args.skip = [s.strip() for s in args.skip.split(",") if s.strip()]
+    print(f"torch {torch.__version__}; {torch.tpu.get_device_name()}; {os.cpu_count()} CPU cores; "
+          f"torch threads {torch.get_num_threads()}")
+    only = args.only.split(",")
+    if "b" in only:
+        measure("(b) MLP training step (256-512-512-10, batch 64, AdamW)", mlp_step_factory, args)
+    if "c" in only:
+        _, model_cpu = _minilm.load(_minilm.model_dir())
+        g = torch.Generator().manual_seed(0)
+        batch = {"input_ids": torch.randint(1000, 2000, (8, 128), generator=g),
+                 "attention_mask": torch.ones(8, 128, dtype=torch.long)}
+        measure("(c) all-MiniLM-L6-v2 encoder forward, batch 8 x 128 tokens",
+                lambda config: encoder_factory(config, model_cpu, batch), args)
+    if "d" in only:
+        first_result(args)
+
+
+if __name__ == "__main__":
+    main()
