@@ -4,8 +4,12 @@
 //     indexed size (the entry's IndexCheck traits) and an IndexError-style
 //     c10::IndexError is raised, as PyTorch on CPU does.
 //  2. After running, the op is waited for, and every floating output (new
-//     tensors and written arguments) is checked for NaN/Inf.
+//     tensors and written arguments) is checked for NaN/Inf that the op
+//     produced: a NaN (Inf) is an error unless an input already held one
+//     (masking with -inf, copying data that holds NaN are not errors).
 #include <ATen/ATen.h>
+
+#include <cmath>
 
 #include "runtime/compiled_op.h"
 #include "runtime/executor.h"
@@ -65,13 +69,83 @@ void RunIndexChecks(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   }
 }
 
-void CheckFinite(const std::string& op_name, const at::Tensor& t) {
+// NaN / Inf present in a tensor's values.
+struct NonFinite {
+  bool nan = false, inf = false;
+};
+
+NonFinite Scan(const at::Tensor& host) {
+  if (!at::isFloatingType(host.scalar_type()) || host.numel() == 0) return {};
+  return {at::isnan(host).any().item<bool>(), at::isinf(host).any().item<bool>()};
+}
+
+// A floating input as it was before the op ran: storage buffers are
+// immutable, so keeping the buffer keeps the old values (in-place ops swap
+// in a new one).
+struct InputSnapshot {
+  StorageBuffer buffer;
+  at::ScalarType dtype;
+  std::vector<int64_t> sizes, strides;
+  int64_t offset;
+};
+
+NonFinite ScanSnapshot(const InputSnapshot& in) {
+  hlo::ElementType e = lowering::ToElementType(in.dtype);
+  if (in.buffer.element != e) return {};  // a dtype view of another storage type: not checked
+  at::Tensor flat = at::empty({in.buffer.numel}, at::TensorOptions().dtype(in.dtype));
+  Runtime::Get().Download(in.buffer, flat.data_ptr(), flat.nbytes());
+  return Scan(flat.as_strided(in.sizes, in.strides, in.offset));
+}
+
+std::vector<InputSnapshot> SnapshotInputs(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
+                                          NonFinite& scalars) {
+  std::vector<InputSnapshot> out;
+  const size_t first = stack.size() - op.schema().arguments().size();
+  auto add = [&](const at::Tensor& t) {
+    if (!t.defined() || !at::isFloatingType(t.scalar_type())) return;
+    if (t.device().type() != c10::DeviceType::PrivateUse1) {
+      NonFinite n = Scan(t);
+      scalars.nan |= n.nan;
+      scalars.inf |= n.inf;
+      return;
+    }
+    auto& s = StorageOf(t);
+    if (!s.initialized()) return;
+    out.push_back({s.Materialize(s.current().element), t.scalar_type(), t.sizes().vec(), t.strides().vec(),
+                   t.storage_offset()});
+  };
+  for (size_t i = first; i < stack.size(); ++i) {
+    const c10::IValue& v = stack[i];
+    if (v.isTensor()) {
+      add(v.toTensor());
+    } else if (v.isList()) {
+      for (const auto& item : v.toListRef())
+        if (item.isTensor()) add(item.toTensor());
+    } else if (v.isDouble()) {
+      double d = v.toDouble();
+      scalars.nan |= std::isnan(d);
+      scalars.inf |= std::isinf(d);
+    }
+  }
+  return out;
+}
+
+// Raises if `t` holds NaN (Inf) that the op produced: its inputs held none.
+void CheckFinite(const std::string& op_name, const at::Tensor& t, const std::vector<InputSnapshot>& inputs,
+                 NonFinite known) {
   if (!t.defined() || !at::isFloatingType(t.scalar_type()) || t.numel() == 0) return;
-  at::Tensor host = t.to(at::kCPU);
-  if (at::isfinite(host).all().item<bool>()) return;
-  bool has_nan = at::isnan(host).any().item<bool>();
-  TORCH_CHECK(false, "tpu debug mode: ", op_name, " produced ", has_nan ? "NaN" : "Inf",
-              " in an output of shape ", t.sizes(), Where());
+  NonFinite out = Scan(t.to(at::kCPU));
+  if (!out.nan && !out.inf) return;
+  for (const auto& in : inputs) {
+    if ((!out.nan || known.nan) && (!out.inf || known.inf)) break;
+    NonFinite n = ScanSnapshot(in);
+    known.nan |= n.nan;
+    known.inf |= n.inf;
+  }
+  bool produced_nan = out.nan && !known.nan, produced_inf = out.inf && !known.inf;
+  if (!produced_nan && !produced_inf) return;
+  TORCH_CHECK(false, "tpu debug mode: ", op_name, " produced ", produced_nan ? "NaN" : "Inf",
+              " from finite inputs in an output of shape ", t.sizes(), Where());
 }
 
 }  // namespace
@@ -85,10 +159,12 @@ void RunDebug(const c10::OperatorHandle& op, torch::jit::Stack* stack, const low
   std::vector<at::Tensor> written;
   for (const auto& r : compiled.returns)
     if (r.is_arg) written.push_back((*stack)[first + static_cast<size_t>(r.index)].toTensor());
+  NonFinite in_scalars;
+  std::vector<InputSnapshot> inputs = SnapshotInputs(op, *stack, in_scalars);
   std::vector<at::Tensor> outputs = Launch(compiled, *stack, num_args);
   Runtime::Get().Sync();
-  for (const auto& t : outputs) CheckFinite(compiled.name, t);
-  for (const auto& t : written) CheckFinite(compiled.name, t);
+  for (const auto& t : outputs) CheckFinite(compiled.name, t, inputs, in_scalars);
+  for (const auto& t : written) CheckFinite(compiled.name, t, inputs, in_scalars);
 }
 
 }  // namespace torch_tpu::runtime

@@ -63,6 +63,19 @@ def test_debug_inf_names_op():
             torch.ones(2, device="tpu") / x
 
 
+def test_debug_allows_non_finite_values_taken_from_inputs():
+    # -inf masks and data that already holds NaN are not errors: only values
+    # an op produces from finite inputs are.
+    with torch_tpu.eager_mode("debug"):
+        scores = torch.zeros(2, 3, device="tpu")
+        scores.masked_fill_(torch.tensor([[True, False, False]] * 2, device="tpu"), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        nan_data = torch.tensor([1.0, float("nan")], device="tpu")
+        doubled = nan_data * 2
+    torch.testing.assert_close(probs.cpu(), torch.tensor([[0.0, 0.5, 0.5]] * 2))
+    assert torch.isnan(doubled.cpu()[1])
+
+
 def test_strict_nan_is_a_value_like_cpu():
     x = torch.tensor([1.0, -1.0])
     torch.testing.assert_close(torch.log(x.to("tpu")).cpu(), torch.log(x), equal_nan=True)
