@@ -4,6 +4,7 @@
 #include <c10/core/GeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
@@ -317,7 +318,10 @@ void GraphProgram::SetOutputs(const std::vector<int>& ids) {
 void GraphProgram::Compile() {
   if (executable_) return;
   if (!outputs_set_) throw std::logic_error("GraphProgram: Compile before SetOutputs");
-  module_text_ = builder_.Module();
+  if (module_text_.empty()) {
+    module_text_ = builder_.Module();
+    builder_ = hlo::Builder();  // the text is all that is needed from here on
+  }
   if (DumpHlo()) std::cerr << "[torch_tpu] compiled graph " << name_ << ":\n" << module_text_;
   auto& rt = Runtime::Get();
   pjrt::CompileOptions options = rt.compile_options();

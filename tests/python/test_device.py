@@ -197,26 +197,30 @@ def test_plugin_that_is_not_a_plugin_names_path(tmp_path):
     assert str(bogus) in r.stderr
 
 
+# An op with no lowering (checked below): it runs on the CPU.
+UNLOWERED = "histc"
+
+
 def test_cpu_fallback_warns_once_and_counts():
-    # no lowering: runs on the CPU (the functional op calls the .values overload)
+    assert UNLOWERED not in torch_tpu._C.lowered_ops()
+
     def count():
-        return sum(v for k, v in torch_tpu.metrics()["cpu_fallbacks"].items() if k.startswith("aten::kthvalue"))
+        return sum(v for k, v in torch_tpu.metrics()["cpu_fallbacks"].items() if k.startswith("aten::histc"))
     before = count()
-    x = torch.randn(5, 7)
-    with pytest.warns(UserWarning, match="kthvalue"):
-        v, i = torch.kthvalue(x.to("tpu"), 3, dim=1)
-    ref_v, ref_i = torch.kthvalue(x, 3, dim=1)
-    assert v.device.type == "tpu"
-    assert torch.equal(v.cpu(), ref_v) and torch.equal(i.cpu(), ref_i)
-    torch.kthvalue(x.to("tpu"), 2, dim=1)
+    x = torch.randn(50)
+    with pytest.warns(UserWarning, match="histc"):
+        h = torch.histc(x.to("tpu"), bins=5, min=-2, max=2)
+    assert h.device.type == "tpu"
+    assert torch.equal(h.cpu(), torch.histc(x, bins=5, min=-2, max=2))
+    torch.histc(x.to("tpu"), bins=3)
     assert count() == before + 2
 
 
 def test_cpu_fallback_disabled_names_op():
-    r = run_python("import torch, torch_tpu; torch.kthvalue(torch.ones(3, device='tpu'), 1)",
+    r = run_python("import torch, torch_tpu; torch.histc(torch.ones(3, device='tpu'), bins=2)",
                    env={"TORCH_TPU_CPU_FALLBACK": "0"})
     assert r.returncode != 0
-    assert "aten::kthvalue" in r.stderr and "TORCH_TPU_CPU_FALLBACK" in r.stderr
+    assert "aten::histc" in r.stderr and "TORCH_TPU_CPU_FALLBACK" in r.stderr
 
 
 def test_metrics_keys():

@@ -1,0 +1,379 @@
+"""``torch.compile(model, backend="tpu")``: the TorchDynamo backend.
+
+AOTAutograd turns each Dynamo graph into a functional ATen forward graph and
+(for training) a backward graph. Each of them becomes ONE StableHLO module
+through the same lowering registry the eager executors use
+(``torch_tpu._C.GraphProgram``), compiled once (through the on-disk
+executable cache) and launched as one executable per call. Inputs and
+outputs stay on the device.
+
+A graph that cannot be lowered as a whole (an op without a lowering, a
+lowering that declines its arguments, a non-ATen callable) runs its FX graph
+eagerly on tpu instead, with one warning naming the node. Graphs with
+symbolic shapes (Dynamo marks a dimension dynamic after a recompile on a new
+shape) are specialized per concrete input shape at run time, since the
+program is compiled for static shapes.
+
+Registered through the ``torch_dynamo_backends`` entry point (so no import
+is needed before ``torch.compile``); ``register()`` registers it by hand
+where the package is not installed.
+
+``TORCH_TPU_COMPILE_DEBUG=1`` prints why a graph falls back.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+import os
+import warnings
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["tpu_backend", "register", "stats"]
+
+_warned: set[str] = set()
+# Graphs compiled as one program, and graphs that run op by op instead.
+stats = {"programs": 0, "eager_graphs": 0}
+
+
+class GraphLoweringError(NotImplementedError):
+    """The FX graph cannot be lowered as one program (message names the node)."""
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(message, stacklevel=3)
+
+
+# --- decompositions ---------------------------------------------------------
+
+def _qualified_name(op: torch._ops.OpOverload) -> str:
+    schema = op._schema
+    return schema.name + ("." + schema.overload_name if schema.overload_name else "")
+
+
+@functools.cache
+def _decompositions() -> dict:
+    """PyTorch's core ATen decompositions, except for ops the tpu lowers
+    directly (layer norm backward, embedding backward, gelu backward, ...):
+    one lowering is a smaller program than its decomposition."""
+    from torch._decomp import core_aten_decompositions, get_decompositions
+
+    from . import _C
+
+    aten = torch.ops.aten
+    decompositions = dict(core_aten_decompositions())
+    # Functionalized forms that core ATen keeps but the tpu has no lowering
+    # for (training-mode batch norm updates its running statistics).
+    decompositions.update(get_decompositions([aten._native_batch_norm_legit_functional]))
+    table = {}
+    for op, fn in decompositions.items():
+        if isinstance(op, torch._ops.OpOverload) and _C._graph_has_lowering(_qualified_name(op)):
+            continue
+        table[op] = fn
+    return table
+
+
+# --- one FX graph -> one program -------------------------------------------
+
+def _is_symbolic(x: Any) -> bool:
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(x, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in x.shape)
+    return False
+
+
+def _spec(val: Any, node: torch.fx.Node) -> tuple | None:
+    if val is None:
+        return None
+    if not isinstance(val, torch.Tensor):
+        raise GraphLoweringError(f"node {node.format_node()} produces a {type(val).__name__}, not a tensor")
+    if val.device.type not in ("tpu", "cpu"):
+        raise GraphLoweringError(f"node {node.format_node()} produces a tensor on {val.device}")
+    if _is_symbolic(val):
+        raise GraphLoweringError(f"node {node.format_node()} has symbolic sizes")
+    return (val.dtype, [int(s) for s in val.shape])
+
+
+def _whole_contiguous(val: Any) -> bool:
+    try:
+        return (val.is_contiguous() and val.storage_offset() == 0
+                and val.untyped_storage().nbytes() == val.numel() * val.element_size())
+    except Exception:
+        return False
+
+
+class _Program:
+    """A compiled FX graph: the program, how each graph input is fed, and how
+    the outputs are assembled."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, name: str):
+        from . import _C
+
+        self.name = name
+        program = _C.GraphProgram(name)
+        env: dict[torch.fx.Node, Any] = {}
+        self.input_devices: list[bool] = []   # per placeholder: needs an upload to tpu
+        self.constants: list[torch.Tensor] = []  # get_attr tensors, fed after the placeholders
+        placeholder_index = 0
+
+        def lookup(a):
+            if isinstance(a, torch.fx.Node):
+                if a not in env:
+                    raise GraphLoweringError(f"node {a.format_node()} has no graph value")
+                return env[a]
+            return a
+
+        output_plan: list = []
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                val = node.meta.get("val")
+                if val is None and placeholder_index < len(example_inputs):
+                    val = example_inputs[placeholder_index]
+                placeholder_index += 1
+                if not isinstance(val, torch.Tensor):
+                    raise GraphLoweringError(f"input {node.name} is a {type(val).__name__}, not a tensor")
+                if _is_symbolic(val):
+                    raise GraphLoweringError(f"input {node.name} has symbolic sizes")
+                on_tpu = val.device.type == "tpu"
+                if not on_tpu and val.device.type != "cpu":
+                    raise GraphLoweringError(f"input {node.name} is on {val.device}")
+                # CPU inputs (scalars, data the graph moves with .to("tpu")) are
+                # uploaded at the call: the whole graph runs on tpu.
+                self.input_devices.append(not on_tpu)
+                env[node] = program.add_input(val.dtype, [int(s) for s in val.shape])
+            elif node.op == "get_attr":
+                value: Any = gm
+                for atom in str(node.target).split("."):
+                    value = getattr(value, atom, None)
+                if not isinstance(value, torch.Tensor):
+                    raise GraphLoweringError(f"get_attr {node.target} is not a tensor")
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+                with unset_fake_temporarily():  # compilers run under the tracing fake mode
+                    tensor = value.detach()
+                    if tensor.device.type != "tpu":
+                        tensor = tensor.to("tpu")
+                self.constants.append(tensor)
+                env[node] = program.add_input(tensor.dtype, list(tensor.shape))
+            elif node.op == "call_function":
+                target = node.target
+                if target is operator.getitem:
+                    src = lookup(node.args[0])
+                    if not isinstance(src, (list, tuple)):
+                        raise GraphLoweringError(f"node {node.format_node()} indexes a non-sequence")
+                    env[node] = src[node.args[1]]
+                    continue
+                if not isinstance(target, torch._ops.OpOverload):
+                    raise GraphLoweringError(f"node {node.format_node()} calls {target}, not an ATen operator")
+                val = node.meta.get("val")
+                returns = target._schema.returns
+                if not returns and not target._schema.is_mutable:
+                    env[node] = None  # nothing to compute (metadata assertions)
+                    continue
+                single = len(returns) == 1 and not isinstance(returns[0].type, torch._C.ListType)
+                if single:
+                    specs = [_spec(val, node)]
+                else:
+                    if not isinstance(val, (list, tuple)):
+                        raise GraphLoweringError(f"node {node.format_node()} has no output metadata")
+                    specs = [_spec(v, node) for v in val]
+                if target is torch.ops.aten.as_strided.default:
+                    src = node.args[0]
+                    if not (isinstance(src, torch.fx.Node) and _whole_contiguous(src.meta.get("val"))):
+                        raise GraphLoweringError(f"node {node.format_node()}: as_strided of a view")
+                args = torch.fx.node.map_aggregate(node.args, lookup)
+                kwargs = dict(torch.fx.node.map_aggregate(dict(node.kwargs), lookup))
+                if target is torch.ops.aten._to_copy.default:
+                    # Devices are tags here: every value lives on tpu; graph
+                    # outputs on CPU are copied to the host after the run.
+                    kwargs.pop("device", None)
+                try:
+                    outs = program.add_call(_qualified_name(target), args, kwargs, specs)
+                except _C.GraphUnsupported as e:
+                    raise GraphLoweringError(f"node {node.format_node()}: {e}") from None
+                env[node] = outs[0] if single else list(outs)
+            elif node.op == "output":
+                results = node.args[0]
+                if not isinstance(results, (list, tuple)):
+                    results = (results,)
+                values = []
+                for r in results:
+                    v = lookup(r)
+                    if v is None:
+                        output_plan.append(None)
+                    elif isinstance(v, _C._GraphValue):
+                        meta = r.meta.get("val") if isinstance(r, torch.fx.Node) else None
+                        to_host = isinstance(meta, torch.Tensor) and meta.device.type == "cpu"
+                        output_plan.append((len(values), to_host))
+                        values.append(v)
+                    else:
+                        raise GraphLoweringError(f"graph output {r} is a {type(v).__name__}")
+                program.set_outputs(values)
+            else:
+                raise GraphLoweringError(f"node {node.format_node()}: {node.op} is not supported")
+        self.output_plan = output_plan
+        self.program = program
+        self.device = torch.device("tpu", torch.tpu.current_device())
+
+    def compile(self) -> None:
+        self.program.compile()
+
+    def __call__(self, args: list) -> list:
+        inputs = list(args)
+        args.clear()
+        for i, move in enumerate(self.input_devices):
+            if move:
+                inputs[i] = inputs[i].to(self.device)
+        if self.constants:
+            inputs.extend(self.constants)
+        outs = self.program.run(inputs)
+        return [None if k is None else (outs[k[0]].cpu() if k[1] else outs[k[0]]) for k in self.output_plan]
+
+
+def _boxed(program: _Program) -> Callable:
+    """A function (not the object: wrappers such as torch._dynamo.disable
+    copy a function's __dict__, where `_boxed_call` must be) taking the
+    argument list."""
+
+    def run(args: list):
+        return program(args)
+
+    run._boxed_call = True
+    run.program = program
+    return run
+
+
+def _eager(gm: torch.fx.GraphModule) -> Callable:
+    """The FX graph run op by op (the tpu eager executor), boxed."""
+
+    def run(args: list):
+        a = list(args)
+        args.clear()
+        return gm(*a)
+
+    run._boxed_call = True
+    return run
+
+
+_graph_counter = [0]
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callable:
+    _graph_counter[0] += 1
+    name = f"{kind}{_graph_counter[0]}"
+    try:
+        program = _Program(gm, example_inputs, name)
+        program.compile()
+        stats["programs"] += 1
+        return _boxed(program)
+    except GraphLoweringError as e:
+        reason = str(e)
+    except RuntimeError as e:  # a compile error of the module: a lowering bug
+        reason = f"compile failed: {str(e).splitlines()[0]}"
+    if os.environ.get("TORCH_TPU_COMPILE_DEBUG", "0") not in ("", "0"):
+        print(f"[torch_tpu] {name} runs eagerly: {reason}\n{gm.graph}")
+    stats["eager_graphs"] += 1
+    _warn_once(reason, f"torch_tpu: a {kind} graph runs op by op on tpu instead of as one program ({reason})")
+    return _eager(gm)
+
+
+def _fw_compiler(gm, example_inputs):
+    return _compile_graph(gm, example_inputs, "forward")
+
+
+def _bw_compiler(gm, example_inputs):
+    return _compile_graph(gm, example_inputs, "backward")
+
+
+def _inference_compiler(gm, example_inputs):
+    return _compile_graph(gm, example_inputs, "inference")
+
+
+@functools.cache
+def _aot_backend():
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(fw_compiler=_fw_compiler, bw_compiler=_bw_compiler,
+                        inference_compiler=_inference_compiler, decompositions=_decompositions)
+
+
+# --- symbolic shapes --------------------------------------------------------
+
+class _Specializing:
+    """A Dynamo graph with symbolic shapes: one AOT-compiled static program
+    per concrete input signature, built on first use (the integer inputs
+    that carry the symbolic sizes become constants of that graph)."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.gm = gm
+        self.cache: dict[tuple, Callable] = {}
+
+    @staticmethod
+    def _key(args) -> tuple:
+        key = [torch.is_grad_enabled()]
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                key.append((a.dtype, tuple(a.shape), a.device, a.requires_grad))
+            else:
+                key.append((type(a), a))
+        return tuple(key)
+
+    def _specialize(self, args) -> Callable:
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        graph = torch.fx.Graph()
+        env: dict[torch.fx.Node, Any] = {}
+        tensor_positions = []
+        index = 0
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                a = args[index]
+                if not isinstance(a, torch.Tensor):
+                    env[node] = a  # a concrete size: a constant of this graph
+                    index += 1
+                    continue
+                tensor_positions.append(index)
+                index += 1
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        gm = torch.fx.GraphModule(self.gm, graph)
+        tensors = [args[i] for i in tensor_positions]
+        compiled = aot_module_simplified(gm, tensors, fw_compiler=_fw_compiler, bw_compiler=_bw_compiler,
+                                         inference_compiler=_inference_compiler,
+                                         decompositions=_decompositions())
+
+        def run(*call_args):
+            return compiled(*[call_args[i] for i in tensor_positions])
+
+        return run
+
+    def __call__(self, *args):
+        key = self._key(args)
+        fn = self.cache.get(key)
+        if fn is None:
+            fn = self.cache[key] = self._specialize(args)
+        return fn(*args)
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """The ``tpu`` Dynamo backend (``torch.compile(model, backend="tpu")``)."""
+    from . import _C  # noqa: F401  (loads the extension: torch_tpu registers the device)
+
+    if any(_is_symbolic(x) for x in example_inputs):
+        from torch._dynamo import disable
+
+        return disable(_Specializing(gm), reason="tpu: per-shape specialization")
+    return _aot_backend()(gm, example_inputs, **kwargs)
+
+
+def register() -> None:
+    """Registers ``tpu`` with Dynamo where the entry point is not installed."""
+    from torch._dynamo.backends import registry
+
+    registry._lazy_import()
+    if "tpu" not in registry._BACKENDS:
+        registry.register_backend(tpu_backend, name="tpu")
