@@ -39,7 +39,7 @@ const lowering::LoweringEntry* EntryFor(const c10::OperatorHandle& op) {
   auto it = entries.find(key);
   if (it != entries.end()) return it->second;
   const auto* entry = lowering::FindLowering(runtime::BaseName(op.schema()));
-  if (entry && entry->traits.is_view) entry = nullptr;  // eager views are metadata only
+  if (entry && entry->traits.graph_only) entry = nullptr;  // eager views are metadata only
   entries.emplace(key, entry);
   return entry;
 }
@@ -118,7 +118,7 @@ void RegisterLoweredOpsDirectly() {
     if (!handle || !handle->hasSchema()) continue;
     std::string base = runtime::BaseName(handle->schema());
     const lowering::LoweringEntry* entry = lowering::FindLowering(base);
-    if (base == "copy" || !entry || entry->traits.is_view) continue;
+    if (base == "copy" || !entry || entry->traits.graph_only) continue;
     bool returns_view = false;
     for (const auto& r : handle->schema().returns())
       returns_view |= r.alias_info() != nullptr && !r.alias_info()->isWrite();

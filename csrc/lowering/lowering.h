@@ -118,10 +118,11 @@ struct IndexCheck {
 
 struct LoweringTraits {
   bool needs_rng = false;
-  // A view op (view, permute, slice, ...): eager tpu tensors never reach it
-  // (views are metadata over a shared storage), but whole-graph lowering
-  // (fused regions, torch.compile) computes views as values.
-  bool is_view = false;
+  // Only for whole-graph lowering (torch.compile): view ops (view, permute,
+  // slice, ...) computed as values — eager tpu views are metadata over a
+  // shared storage and never reach a lowering — and ops whose eager form
+  // PyTorch's own kernels serve (_to_copy).
+  bool graph_only = false;
   // Scalar arguments are compiled in as constants (part of the cache key)
   // instead of runtime inputs: for ops whose output shape depends on them
   // (arange).

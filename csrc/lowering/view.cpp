@@ -1,7 +1,7 @@
 // View and shape ops lowered as VALUES, for whole-graph lowering (fused
-// regions, torch.compile). Entries carry traits.is_view: eager tpu tensors
+// regions, torch.compile). Entries carry traits.graph_only: eager tpu tensors
 // never reach them (views are metadata over a shared storage, kernels.cpp;
-// fallback.cpp skips is_view entries). In a graph every value is logically
+// fallback.cpp skips graph_only entries). In a graph every value is logically
 // contiguous, so a view is the same elements rearranged: reshape, transpose,
 // slice, broadcast, or (as_strided, diagonal, unfold) a strided read of the
 // value's row-major elements.
@@ -12,7 +12,7 @@
 namespace torch_tpu::lowering {
 namespace {
 
-const LoweringTraits kView{.is_view = true};
+const LoweringTraits kView{.graph_only = true};
 
 std::vector<int64_t> IntList(const LoweringContext& ctx, std::string_view name) {
   const LoweredArg* a = ctx.find(name);
@@ -254,7 +254,7 @@ std::vector<Value> LowerUnfold(LoweringContext& ctx) {
 
 // _to_copy(self, dtype, layout, device, pin_memory, non_blocking,
 // memory_format) within the device: a cast. Graph-only like the views
-// (traits.is_view): eager `.to()` keeps PyTorch's kernel, which routes device
+// (traits.graph_only): eager `.to()` keeps PyTorch's kernel, which routes device
 // changes to _copy_from.
 std::vector<Value> LowerToCopy(LoweringContext& ctx) {
   if (const LoweredArg* d = ctx.find("device"); d && d->kind == LoweredArg::Kind::kStatic && d->ivalue.isDevice() &&

@@ -6,7 +6,7 @@
 // Values are SSA ids. Graph inputs are whole contiguous tpu tensors: the
 // program's parameter is the flat storage buffer (rank 1) reshaped to the
 // input's sizes. Every call is lowered by FindLowering(base name); view ops
-// (entries with traits.is_view) are lowered as values. Results are cast and
+// (entries with traits.graph_only) are lowered as values. Results are cast and
 // reshaped to the output specs the graph's meta values give, as
 // compiled_op.cpp does for new outputs. Random ops (traits.needs_rng) get a
 // tensor<2xui64> (seed, offset) input each, drawn from the tpu generator at
