@@ -399,6 +399,44 @@ void ProgramBuilder::Define(const DeviceStorage* storage, hlo::ElementType eleme
   storages.push_back({storage, InputSlot{}, element, numel, std::nullopt, std::move(flat)});
 }
 
+void ProgramBuilder::AddIndexChecks(const std::string& name, const lowering::LoweringContext& ctx,
+                                    const lowering::LoweringEntry& entry) {
+  for (const auto& check : entry.traits.index_checks) {
+    const LoweredArg* index = ctx.find(check.index);
+    const LoweredArg* source = ctx.find(check.source);
+    if (!index || !source || source->kind != LoweredArg::Kind::kTensor) continue;
+    const auto& dims = source->value.dims();
+    auto out_of_range = [&](const hlo::Value& idx, int64_t dim) -> std::optional<hlo::Value> {
+      if (!hlo::IsSignedInteger(idx.element()) && !hlo::IsUnsignedInteger(idx.element())) return std::nullopt;
+      if (idx.type.numel() == 0) return std::nullopt;
+      int64_t n = dims.empty() ? 1 : dims[static_cast<size_t>(dim)];
+      hlo::Value i = b.Convert(idx, hlo::ElementType::kS64);
+      hlo::Value lo = lowering::ConstLike(b, i, check.allow_negative ? -static_cast<double>(n) : 0.0);
+      hlo::Value hi = lowering::ConstLike(b, i, static_cast<double>(n));
+      hlo::Value bad = b.Or(b.Compare(i, lo, hlo::CompareDirection::kLT), b.Compare(i, hi, hlo::CompareDirection::kGE));
+      std::vector<int64_t> all(static_cast<size_t>(bad.rank()));
+      for (size_t d = 0; d < all.size(); ++d) all[d] = static_cast<int64_t>(d);
+      return lowering::ReduceOr(b, bad, all, false);
+    };
+    auto add = [&](const hlo::Value& idx, int64_t dim) {
+      if (auto bad = out_of_range(idx, dim))
+        index_checks.emplace_back(*bad, name + ": index out of range for dimension " + std::to_string(dim) +
+                                            " with size " + std::to_string(dims.empty() ? 1 : dims[dim]) +
+                                            " (found at the next sync point; TORCH_TPU_EAGER_MODE=debug stops at "
+                                            "the op)");
+    };
+    if (index->kind == LoweredArg::Kind::kTensor) {
+      int64_t dim = 0;
+      if (!check.dim_arg.empty() && ctx.has(check.dim_arg))
+        dim = lowering::NormalizeDim(ctx.int_arg(check.dim_arg), static_cast<int64_t>(dims.size()));
+      add(index->value, dim);
+    } else if (index->kind == LoweredArg::Kind::kTensorList) {
+      for (size_t j = 0; j < index->list.size() && j < dims.size(); ++j)
+        if (index->present[j]) add(index->list[j], static_cast<int64_t>(j));
+    }
+  }
+}
+
 std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, const c10::OperatorHandle& op,
                                                                 const torch::jit::Stack& stack, size_t first,
                                                                 const lowering::LoweringEntry& entry,
@@ -486,6 +524,7 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
     inputs.push_back(s);
   }
   ctx.outputs = spec.outputs;
+  AddIndexChecks(name, ctx, entry);
 
   std::vector<hlo::Value> results;
   try {
@@ -594,6 +633,15 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     slot.element = st.element;
     slot.numel = st.numel;
     compiled->outputs.push_back(std::move(slot));
+  }
+  for (auto& [flag, message] : pb.index_checks) {
+    program_results.push_back(flag);
+    OutputSlot slot;
+    slot.kind = OutputSlot::Kind::kIndexCheck;
+    slot.element = hlo::ElementType::kPred;
+    slot.numel = 1;
+    compiled->outputs.push_back(std::move(slot));
+    compiled->check_messages.push_back(message);
   }
   pb.b.Return(program_results);
   compiled->inputs = std::move(pb.inputs);
@@ -737,10 +785,13 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
   rt.metrics().executions++;
 
   std::vector<at::Tensor> new_tensors;
+  size_t check = 0;
   for (size_t i = 0; i < op.outputs.size(); ++i) {
     const OutputSlot& o = op.outputs[i];
     StorageBuffer sb{std::shared_ptr<pjrt::Buffer>(std::move(outs[i])), o.element, o.numel, op.name};
-    if (o.kind == OutputSlot::Kind::kNewTensor) {
+    if (o.kind == OutputSlot::Kind::kIndexCheck) {
+      rt.AddPendingCheck(std::move(sb.buffer), op.check_messages[check++]);
+    } else if (o.kind == OutputSlot::Kind::kNewTensor) {
       new_tensors.push_back(WrapBuffer(std::move(sb), o.sizes, o.dtype, li.device_index));
     } else {
       StorageOf(TensorOf(arg_of, 0, o.arg, o.item)).Set(std::move(sb));

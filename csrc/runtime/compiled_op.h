@@ -54,7 +54,7 @@ struct InputSlot {
 
 // What each executable output becomes.
 struct OutputSlot {
-  enum class Kind : uint8_t { kNewTensor, kStorageWrite };
+  enum class Kind : uint8_t { kNewTensor, kStorageWrite, kIndexCheck };
   Kind kind = Kind::kNewTensor;
   int16_t arg = -1, item = -1;  // kStorageWrite: whose storage is replaced
   at::ScalarType dtype = at::kFloat;
@@ -88,6 +88,7 @@ struct CompiledOp {
   std::vector<InputSlot> inputs;
   std::vector<OutputSlot> outputs;
   std::vector<ReturnSlot> returns;
+  std::vector<std::string> check_messages;  // per kIndexCheck output, in order
   // out= arguments resized (to these sizes) before each launch.
   std::vector<std::pair<int16_t, std::vector<int64_t>>> resize_outputs;
   std::string module_text;  // kept for TORCH_TPU_DUMP_HLO and errors
@@ -115,6 +116,9 @@ class ProgramBuilder {
   hlo::Builder b;
   std::vector<InputSlot> inputs;
   std::vector<StorageState> storages;
+  // Index-range checks of the calls (entries' index_checks traits): a pred
+  // value (true = out of range) and the IndexError message.
+  std::vector<std::pair<hlo::Value, std::string>> index_checks;
 
   // Lowers one call (arguments at stack[first...]); returns, per return,
   // the value of a new tensor (shaped and typed per `spec`), or nullopt
@@ -131,6 +135,8 @@ class ProgramBuilder {
   hlo::Value ReadFlat(StorageState& st);
   hlo::Value ReadTensor(const at::Tensor& t, const InputSlot& use);
   void WriteTensor(const at::Tensor& t, const InputSlot& use, hlo::Value value);
+  void AddIndexChecks(const std::string& name, const lowering::LoweringContext& ctx,
+                      const lowering::LoweringEntry& entry);
 };
 
 // Compiles a module through the on-disk cache, counting metrics; errors

@@ -62,6 +62,7 @@ struct CompiledRegion {
   std::unique_ptr<pjrt::Executable> executable;
   std::vector<InputSlot> inputs;
   std::vector<RegionOutput> outputs;
+  std::vector<std::string> check_messages;  // outputs after `outputs`: index checks
 };
 
 struct RegionKeyHash {
@@ -254,6 +255,10 @@ class FusedExecutor {
       results.push_back(*st.current);
       region->outputs.push_back(out);
     }
+    for (auto& [flag, message] : pb.index_checks) {
+      results.push_back(flag);
+      region->check_messages.push_back(message);
+    }
     pb.b.Return(results);
     region->inputs = std::move(pb.inputs);
     region->executable = CompileModule("fused region of " + std::to_string(calls_.size()) + " ops", pb.b.Module());
@@ -279,6 +284,9 @@ class FusedExecutor {
         StorageOf(TensorOf(arg_of, o.use.call, o.use.arg, o.use.item)).Set(std::move(sb));
       }
     }
+    for (size_t i = 0; i < region.check_messages.size(); ++i)
+      rt.AddPendingCheck(std::shared_ptr<pjrt::Buffer>(std::move(outs[region.outputs.size() + i])),
+                         region.check_messages[i]);
     if (done) rt.Track(std::move(done), name);
     (void)alive;  // kept alive until the storages are set
   }

@@ -1,5 +1,7 @@
 #include "runtime/runtime.h"
 
+#include <c10/util/Exception.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -182,6 +184,20 @@ void Runtime::Track(std::unique_ptr<pjrt::Event> event, std::string op_name) {
   inflight_.emplace_back(std::move(event), std::move(op_name));
 }
 
+void Runtime::AddPendingCheck(std::shared_ptr<pjrt::Buffer> flag, std::string message) {
+  std::vector<std::pair<std::shared_ptr<pjrt::Buffer>, std::string>> due;
+  {
+    std::lock_guard<std::mutex> lock(checks_mutex_);
+    checks_.emplace_back(std::move(flag), std::move(message));
+    if (checks_.size() >= 1024) due.swap(checks_);  // bound the memory of a program that never syncs
+  }
+  for (auto& [f, m] : due) {
+    bool out_of_range = false;
+    f->ToHost(&out_of_range, sizeof(out_of_range));
+    TORCH_CHECK_INDEX(!out_of_range, m);
+  }
+}
+
 void Runtime::Sync() {
   FlushPendingWork();
   std::deque<std::pair<std::unique_ptr<pjrt::Event>, std::string>> pending;
@@ -198,6 +214,16 @@ void Runtime::Sync() {
     }
   }
   if (!first_error.empty()) throw std::runtime_error(first_error);
+  std::vector<std::pair<std::shared_ptr<pjrt::Buffer>, std::string>> checks;
+  {
+    std::lock_guard<std::mutex> lock(checks_mutex_);
+    checks.swap(checks_);
+  }
+  for (auto& [flag, message] : checks) {
+    bool out_of_range = false;
+    flag->ToHost(&out_of_range, sizeof(out_of_range));
+    TORCH_CHECK_INDEX(!out_of_range, message);
+  }
 }
 
 void Runtime::OnAllocate(int64_t nbytes) {

@@ -120,6 +120,12 @@ class Runtime {
   // `producer`.
   void Download(const StorageBuffer& buffer, void* dst, size_t nbytes);
 
+  // Index checks computed by launched programs (a pred scalar each: true
+  // means an index was out of range). Sync() reads them and raises an
+  // IndexError with the first failing check's message, as CPU would have
+  // raised at the op (XLA clamps out-of-range gathers silently).
+  void AddPendingCheck(std::shared_ptr<pjrt::Buffer> flag, std::string message);
+
   // In-flight executions: an event per launch, named by its op. Sync()
   // waits for all and rethrows the first failure naming its op.
   void Track(std::unique_ptr<pjrt::Event> event, std::string op_name);
@@ -146,6 +152,8 @@ class Runtime {
   };
   std::mutex scalar_mutex_;
   std::vector<std::pair<ScalarKey, std::shared_ptr<pjrt::Buffer>>> scalars_;  // most recent last
+  std::mutex checks_mutex_;
+  std::vector<std::pair<std::shared_ptr<pjrt::Buffer>, std::string>> checks_;
   std::mutex inflight_mutex_;
   std::deque<std::pair<std::unique_ptr<pjrt::Event>, std::string>> inflight_;
   std::atomic<int64_t> allocated_{0}, peak_{0}, num_allocs_{0};

@@ -106,6 +106,27 @@ def test_debug_negative_index_rules_match_cpu():
             torch.index_select(w.to("tpu"), 0, i.to("tpu"))  # CPU rejects negative indices here
 
 
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("call", [
+    lambda w, i: torch.index_select(w, 0, i),
+    lambda w, i: torch.nn.functional.embedding(i, w),
+    lambda w, i: torch.gather(w, 0, i.unsqueeze(1).expand(-1, 3)),
+    lambda w, i: w[i],
+    lambda w, i: w.index_put((i,), torch.zeros(2, 3, device=w.device)),
+], ids=["index_select", "embedding", "gather", "index", "index_put"])
+def test_out_of_range_index_raises_at_sync_point(mode, call):
+    # XLA clamps out-of-range gathers; PyTorch raises: the program computes a
+    # range check and the next sync point raises IndexError naming the op.
+    w = torch.randn(5, 3, device="tpu")
+    bad = torch.tensor([0, 7], device="tpu")
+    with torch_tpu.eager_mode(mode):
+        result = call(w, bad)
+        with pytest.raises(IndexError, match="aten::.*out of range"):
+            result.cpu()
+        ok = torch.tensor([0, 4], device="tpu")
+        torch.testing.assert_close(call(w, ok).cpu(), call(w.cpu(), ok.cpu()))
+
+
 def test_repeated_op_hits_cache_and_scalars_do_not_recompile():
     x = torch.randn(32, device="tpu")
     y = torch.randn(32, device="tpu")
