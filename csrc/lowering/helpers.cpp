@@ -252,6 +252,33 @@ int64_t Numel(const std::vector<int64_t>& s) {
 
 }  // namespace
 
+Value ReinterpretFlat(Builder& b, const Value& flat, ElementType to) {
+  const ElementType from = flat.element();
+  if (from == to) return flat;
+  auto bytes = [](ElementType t) { return std::max(1, hlo::BitWidth(t) / 8); };
+  if (from == ElementType::kPred || to == ElementType::kPred) {
+    if (bytes(from) != 1 || bytes(to) != 1) throw LoweringError("cannot reinterpret bool storage elements");
+    return CastElement(b, flat, to);  // bool <-> one-byte integers: 0/1
+  }
+  const int64_t n = flat.dims()[0];
+  const int bf = bytes(from), bt = bytes(to);
+  if (bf == bt) return b.BitcastConvert(flat, to);
+  if (bf > bt) {  // split: f32[N] -> u8[N, 4] -> u8[4N]
+    const int64_t k = bf / bt;
+    Value split = b.Op("stablehlo.bitcast_convert", std::span(&flat, 1),
+                       std::vector<TensorType>{TensorType{to, {n, k}}})[0];
+    int64_t dims[] = {n * k};
+    return b.Reshape(split, dims);
+  }
+  const int64_t k = bt / bf;  // join: u8[4N] -> u8[N, 4] -> f32[N]
+  if (n % k != 0)
+    throw LoweringError("storage of " + std::to_string(n) + " elements cannot be read as " +
+                        std::string(hlo::MlirName(to)));
+  int64_t grouped[] = {n / k, k};
+  Value g = b.Reshape(flat, grouped);
+  return b.Op("stablehlo.bitcast_convert", std::span(&g, 1), std::vector<TensorType>{TensorType{to, {n / k}}})[0];
+}
+
 Value ReadView(Builder& b, const Value& flat, const ViewLayout& v) {
   const int64_t n = Numel(v.sizes);
   const int64_t storage = flat.dims()[0];

@@ -63,6 +63,12 @@ struct ViewLayout {
 // program: reshape for a whole contiguous storage, slice+reshape+transpose
 // (+broadcast for zero strides) where the strides allow, else a gather.
 Value ReadView(Builder& b, const Value& flat, const ViewLayout& view);
+// A flat storage reinterpreted with another element type, as PyTorch's
+// storages are untyped bytes (x.view(torch.int32), byte copies of a storage
+// in torch.save): same width -> bitcast; narrower -> each element splits
+// into several (f32[N] -> u8[4N]); wider -> groups join (u8[4N] -> f32[N]).
+// Throws LoweringError where the sizes do not divide.
+Value ReinterpretFlat(Builder& b, const Value& flat, ElementType to);
 // Returns the new flat storage with `value` (the view's sizes) written at the
 // view's elements: update-slice where the layout allows, else a scatter.
 Value WriteView(Builder& b, const Value& flat, const ViewLayout& view, const Value& value);

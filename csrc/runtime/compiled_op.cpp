@@ -372,23 +372,24 @@ hlo::Value ProgramBuilder::ReadFlat(StorageState& st) {
 
 hlo::Value ProgramBuilder::ReadTensor(const at::Tensor& t, const InputSlot& use) {
   StorageState& st = StateFor(t, use);
-  hlo::Value flat = ReadFlat(st);
-  hlo::ElementType want = lowering::ToElementType(t.scalar_type());
-  if (flat.element() != want) flat = b.BitcastConvert(flat, want);
+  hlo::Value flat = lowering::ReinterpretFlat(b, ReadFlat(st), lowering::ToElementType(t.scalar_type()));
   return lowering::ReadView(b, flat, LayoutOf(t));
 }
 
 void ProgramBuilder::WriteTensor(const at::Tensor& t, const InputSlot& use, hlo::Value value) {
   StorageState& st = StateFor(t, use);
   value = lowering::Prepare(b, value, t.scalar_type(), t.sizes().vec());
-  if (value.element() != st.element) value = b.BitcastConvert(value, st.element);
-  int64_t numel = t.numel();
-  bool covers_all = t.is_contiguous() && t.storage_offset() == 0 && numel == st.numel;
+  const hlo::ElementType element = value.element();
+  const int64_t numel = t.numel();
+  const int64_t storage_numel =  // the storage's size in elements of t's dtype
+      st.numel * static_cast<int64_t>(ElementSize(st.element)) / static_cast<int64_t>(ElementSize(element));
+  bool covers_all = t.is_contiguous() && t.storage_offset() == 0 && numel == storage_numel;
   if (covers_all && !st.current && !st.param) {
     int64_t dims[] = {numel};
-    st.current = b.Reshape(value, dims);
+    st.current = lowering::ReinterpretFlat(b, b.Reshape(value, dims), st.element);
   } else {
-    st.current = lowering::WriteView(b, ReadFlat(st), LayoutOf(t), value);
+    hlo::Value flat = lowering::ReinterpretFlat(b, ReadFlat(st), element);
+    st.current = lowering::ReinterpretFlat(b, lowering::WriteView(b, flat, LayoutOf(t), value), st.element);
   }
 }
 

@@ -228,3 +228,21 @@ def test_metrics_keys():
     for key in ("compiles", "compile_time_s", "cache_hits", "cache_misses", "executions",
                 "host_to_device_bytes", "device_to_host_bytes", "cpu_fallbacks"):
         assert key in m
+
+
+def test_torch_save_load_round_trip(tmp_path):
+    x = torch.randn(3, 4)
+    state = {"x": x.to("tpu"), "view": x.to("tpu").t()[1:], "ints": torch.arange(5).to("tpu"),
+             "mask": (x > 0).to("tpu"), "half": x.to(torch.bfloat16).to("tpu")}
+    path = tmp_path / "state.pt"
+    torch.save(state, path)
+    on_tpu = torch.load(path, map_location="tpu")
+    on_cpu = torch.load(path, map_location="cpu")
+    expected = {"x": x, "view": x.t()[1:], "ints": torch.arange(5), "mask": x > 0, "half": x.to(torch.bfloat16)}
+    for k, v in expected.items():
+        assert on_tpu[k].device.type == "tpu" and on_cpu[k].device.type == "cpu"
+        assert torch.equal(on_tpu[k].cpu(), v) and torch.equal(on_cpu[k], v)
+    m = torch.nn.Linear(4, 2).to("tpu")
+    ref = torch.nn.Linear(4, 2)
+    m.load_state_dict(ref.state_dict())
+    assert torch.equal(m.weight.cpu(), ref.weight) and torch.equal(m.bias.cpu(), ref.bias)

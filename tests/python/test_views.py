@@ -129,3 +129,15 @@ def test_resize_keeps_contents():
     tpu.resize_(8)
     assert tpu.shape == (8,)
     torch.testing.assert_close(tpu[:4].cpu(), cpu[:4])
+
+
+@pytest.mark.parametrize("dtype,view_dtype", [(torch.float32, torch.uint8), (torch.float32, torch.int16),
+                                              (torch.int16, torch.float32), (torch.bfloat16, torch.int16)])
+def test_dtype_views_of_other_widths(dtype, view_dtype):
+    cpu = torch.arange(16, dtype=torch.float32).to(dtype)
+    tpu = cpu.to("tpu")
+    _assert_same(tpu.view(view_dtype), cpu.view(view_dtype))
+    # write through the reinterpreted view, read back in the storage's dtype
+    cpu.view(view_dtype)[2:6].zero_()
+    tpu.view(view_dtype)[2:6].zero_()
+    _assert_same(tpu, cpu)
