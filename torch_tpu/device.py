@@ -15,6 +15,7 @@ __all__ = [
     "get_device_name", "manual_seed", "manual_seed_all", "seed", "initial_seed",
     "get_rng_state", "set_rng_state", "memory_allocated", "max_memory_allocated",
     "reset_peak_memory_stats", "memory_stats", "empty_cache", "is_initialized", "device",
+    "get_amp_supported_dtype", "is_bf16_supported", "get_device_properties",
 ]
 
 
@@ -129,6 +130,15 @@ def set_rng_state(state: torch.Tensor, device=None) -> None:
 
 def _default_generator(index: int) -> torch.Generator:
     return _C._default_generator(index)
+
+
+def get_amp_supported_dtype() -> list:
+    """Dtypes torch.autocast("tpu", dtype=...) accepts (torch.amp asks this)."""
+    return [torch.bfloat16, torch.float16]
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
 
 
 def memory_allocated(device=None) -> int:
