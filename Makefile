@@ -28,6 +28,10 @@ V ?=
 BUILD_VERBOSE := $(if $(filter 1,$(V)),-v,-q)
 
 export CCACHE_DIR ?= $(HOME)/.cache/ccache
+# Paths relative to the checkout in ccache keys: a fresh clone elsewhere (CI)
+# reuses the objects compiled here.
+export CCACHE_BASEDIR ?= $(CURDIR)
+export CCACHE_NOHASHDIR ?= 1
 # One compile job per core: torch headers make each compile heavy.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
