@@ -58,13 +58,10 @@ std::string ScalarLiteral(ElementType t, double value) {
     case ElementType::kF64: return Hex(std::bit_cast<uint64_t>(value), 16);
     case ElementType::kC64:
     case ElementType::kC128: {
-      std::ostringstream os;
-      os.precision(17);
-      os << "(" << value << ", 0.0)";
-      std::string s = os.str();
-      // MLIR float literals need a decimal point or exponent.
-      if (s.find_first_of(".eEn", 1) == 1) {}
-      return s;
+      // (real, imaginary) as float literals: MLIR rejects integer literals here.
+      char buf[64];
+      std::snprintf(buf, sizeof(buf), "(%.17e, 0.000000e+00)", value);
+      return buf;
     }
     default: {
       if (IsUnsignedInteger(t)) return std::to_string(static_cast<uint64_t>(value));
