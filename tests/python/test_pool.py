@@ -1,0 +1,281 @@
+"""Pooling and upsampling lowerings (csrc/lowering/pool.cpp) against CPU
+PyTorch: max_pool2d/3d with indices (+backward), avg_pool2d/3d (+backward;
+ceil_mode, count_include_pad, divisor_override), adaptive avg/max pooling
+(+backward), nearest / nearest-exact / (bi,tri)linear / bicubic upsampling
+(+backward).
+
+float32 is compared with assert_close defaults, bfloat16 with an explicit
+tolerance; max-pool indices exactly. Each test checks that none of these
+ops ran through the CPU fallback.
+"""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_tpu
+
+TPU = torch.device("tpu")
+BF16_TOL = dict(atol=1.6e-2, rtol=1.6e-2)
+OURS = set("""
+max_pool2d_with_indices max_pool2d_with_indices_backward max_pool3d_with_indices
+max_pool3d_with_indices_backward avg_pool2d avg_pool2d_backward avg_pool3d avg_pool3d_backward
+_adaptive_avg_pool2d _adaptive_avg_pool2d_backward _adaptive_avg_pool3d _adaptive_avg_pool3d_backward
+adaptive_max_pool2d adaptive_max_pool2d_backward adaptive_max_pool3d adaptive_max_pool3d_backward
+upsample_nearest1d upsample_nearest2d upsample_nearest3d _upsample_nearest_exact1d
+_upsample_nearest_exact2d _upsample_nearest_exact3d upsample_nearest1d_backward
+upsample_nearest2d_backward upsample_nearest3d_backward _upsample_nearest_exact1d_backward
+_upsample_nearest_exact2d_backward _upsample_nearest_exact3d_backward upsample_linear1d
+upsample_bilinear2d upsample_trilinear3d upsample_linear1d_backward upsample_bilinear2d_backward
+upsample_trilinear3d_backward upsample_bicubic2d upsample_bicubic2d_backward
+""".split())
+
+
+def _base(op_name):
+    name = op_name.split("::")[-1].split(".")[0]
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+@contextlib.contextmanager
+def no_fallback(names=OURS):
+    before = dict(torch_tpu.metrics()["cpu_fallbacks"])
+    yield
+    after = torch_tpu.metrics()["cpu_fallbacks"]
+    new = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    ours = {k: v for k, v in new.items() if _base(k) in names}
+    assert not ours, f"ops fell back to the CPU: {ours}"
+
+
+def tpu(x):
+    return x.to(TPU) if isinstance(x, torch.Tensor) else x
+
+
+def check(actual, expected, **tol):
+    if isinstance(expected, (tuple, list)):
+        for a, e in zip(actual, expected):
+            check(a, e, **tol)
+        return
+    assert actual.device.type == "tpu", actual.device
+    actual = actual.cpu()
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    if not tol and expected.dtype in (torch.bfloat16, torch.float16):
+        tol = BF16_TOL
+    if not expected.is_floating_point():
+        tol = dict(atol=0, rtol=0)
+    torch.testing.assert_close(actual, expected, equal_nan=True, **tol)
+
+
+def make(shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def run_both(fn, *args, **tol):
+    expected = fn(*args)
+    with no_fallback():
+        actual = fn(*[tpu(a) for a in args])
+    check(actual, expected, **tol)
+    return actual
+
+
+def grads_both(fn, *args, **tol):
+    cpu_args = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                for a in args]
+    out_c = fn(*cpu_args)
+    up = make(out_c.shape, out_c.dtype, seed=99)
+    out_c.backward(up)
+    tpu_args = [tpu(a).requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else tpu(a)
+                for a in args]
+    with no_fallback():
+        out_t = fn(*tpu_args)
+        out_t.backward(tpu(up))
+    check(out_t, out_c.detach(), **tol)
+    for c, t in zip(cpu_args, tpu_args):
+        if isinstance(c, torch.Tensor) and c.requires_grad:
+            check(t.grad, c.grad, **tol)
+
+
+# --- max pool ------------------------------------------------------------------
+
+# (kernel, stride, padding, dilation, ceil_mode)
+MAX_CASES = [
+    (2, None, 0, 1, False),
+    (3, 2, 1, 1, False),
+    (3, 2, 1, 1, True),
+    ((3, 2), (2, 1), (1, 0), (2, 1), False),
+    (2, 3, 1, 2, True),
+]
+
+
+@pytest.mark.parametrize("case", MAX_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_max_pool2d_with_indices(case, dtype):
+    k, s, p, d, ceil = case
+    x = make((2, 3, 9, 8), dtype)
+    run_both(lambda a: F.max_pool2d(a, k, s, p, d, ceil, return_indices=True), x)
+
+
+def test_max_pool2d_ties_nan_inf_and_unbatched():
+    x = torch.tensor([[[1.0, 1.0, 0.0, 2.0],
+                       [1.0, 1.0, 2.0, 2.0],
+                       [float("nan"), 0.0, float("-inf"), float("-inf")],
+                       [3.0, float("nan"), float("-inf"), float("-inf")]]])
+    run_both(lambda a: F.max_pool2d(a, 2, return_indices=True), x)
+    run_both(lambda a: F.max_pool2d(a, 3, 1, 1, return_indices=True), x)
+    run_both(lambda a: F.max_pool2d(a, 2, 1), x.expand(2, 4, 4))  # non-contiguous, no indices
+
+
+def test_max_pool1d_and_3d():
+    run_both(lambda a: F.max_pool1d(a, 3, 2, 1, return_indices=True), make((2, 3, 11)))
+    run_both(lambda a: F.max_pool3d(a, 2, 2, 1, ceil_mode=True, return_indices=True), make((2, 2, 5, 6, 7)))
+    run_both(lambda a: F.max_pool3d(a, (3, 2, 2), (1, 2, 2), dilation=(1, 2, 1), return_indices=True),
+             make((2, 5, 7, 6)))
+
+
+@pytest.mark.parametrize("case", MAX_CASES)
+def test_max_pool2d_backward(case):
+    k, s, p, d, ceil = case
+    grads_both(lambda a: F.max_pool2d(a, k, s, p, d, ceil), make((2, 3, 9, 8)))
+
+
+def test_max_pool_backward_overlapping_and_3d():
+    # Overlapping windows share maxima: gradients accumulate.
+    x = torch.tensor([[[[1.0, 5.0, 1.0], [1.0, 1.0, 1.0], [4.0, 1.0, 9.0]]]])
+    grads_both(lambda a: F.max_pool2d(a, 2, 1), x)
+    grads_both(lambda a: F.max_pool3d(a, 2, 2, 1, ceil_mode=True), make((1, 2, 5, 6, 7)))
+    grads_both(lambda a: F.max_pool1d(a, 3, 2), make((2, 3, 11)))
+
+
+def test_max_pool_backward_bf16():
+    grads_both(lambda a: F.max_pool2d(a, 3, 2, 1), make((2, 3, 8, 8), torch.bfloat16))
+
+
+def test_max_pool_out_variant():
+    x = make((2, 3, 8, 8))
+    ev, ei = torch.ops.aten.max_pool2d_with_indices(x, [2, 2], [2, 2])
+    ov = torch.empty(ev.shape, device=TPU)
+    oi = torch.empty(ei.shape, dtype=torch.long, device=TPU)
+    with no_fallback():
+        torch.ops.aten.max_pool2d_with_indices.out(tpu(x), [2, 2], [2, 2], out=ov, indices=oi)
+    check(ov, ev)
+    check(oi, ei)
+
+
+# --- avg pool ------------------------------------------------------------------
+
+# (kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
+AVG_CASES = [
+    (2, None, 0, False, True, None),
+    (3, 2, 1, False, True, None),
+    (3, 2, 1, False, False, None),
+    (3, 2, 1, True, True, None),
+    (3, 2, 1, True, False, None),
+    ((3, 2), (2, 3), (1, 1), True, False, None),
+    (3, 2, 1, False, True, 5),
+]
+
+
+@pytest.mark.parametrize("case", AVG_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avg_pool2d(case, dtype):
+    k, s, p, ceil, inc, div = case
+    run_both(lambda a: F.avg_pool2d(a, k, s, p, ceil, inc, div), make((2, 3, 9, 8), dtype))
+
+
+@pytest.mark.parametrize("case", AVG_CASES)
+def test_avg_pool2d_backward(case):
+    k, s, p, ceil, inc, div = case
+    grads_both(lambda a: F.avg_pool2d(a, k, s, p, ceil, inc, div), make((2, 3, 9, 8)))
+
+
+def test_avg_pool1d_3d_unbatched():
+    grads_both(lambda a: F.avg_pool1d(a, 3, 2, 1, True, False), make((2, 3, 10)))
+    grads_both(lambda a: F.avg_pool3d(a, 3, 2, 1, True, False), make((2, 2, 5, 6, 7)))
+    grads_both(lambda a: F.avg_pool3d(a, (2, 3, 2), 1, (1, 1, 0), divisor_override=4), make((2, 4, 5, 6)))
+    grads_both(lambda a: F.avg_pool2d(a, 2), make((3, 6, 6)))
+
+
+# --- adaptive pools ------------------------------------------------------------
+
+@pytest.mark.parametrize("out", [(1, 1), (3, 3), (4, 5), (2, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adaptive_avg_pool2d(out, dtype):
+    run_both(lambda a: F.adaptive_avg_pool2d(a, out), make((2, 3, 7, 9), dtype))
+
+
+@pytest.mark.parametrize("out", [(1, 1), (3, 3), (4, 5)])
+def test_adaptive_avg_pool2d_backward(out):
+    grads_both(lambda a: F.adaptive_avg_pool2d(a, out), make((2, 3, 7, 9)))
+
+
+def test_adaptive_avg_pool3d():
+    grads_both(lambda a: F.adaptive_avg_pool3d(a, (2, 3, 4)), make((2, 2, 5, 7, 6)))
+    grads_both(lambda a: F.adaptive_avg_pool3d(a, 1), make((2, 4, 4, 4)))
+
+
+@pytest.mark.parametrize("out", [(1, 1), (3, 3), (4, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adaptive_max_pool2d(out, dtype):
+    run_both(lambda a: F.adaptive_max_pool2d(a, out, return_indices=True), make((2, 3, 7, 9), dtype))
+
+
+def test_adaptive_max_pool_backward_and_3d():
+    grads_both(lambda a: F.adaptive_max_pool2d(a, (3, 4)), make((2, 3, 7, 9)))
+    grads_both(lambda a: F.adaptive_max_pool3d(a, (2, 3, 2)), make((1, 2, 5, 7, 6)))
+    x = torch.tensor([[[1.0, float("nan"), 2.0], [2.0, 2.0, float("nan")], [0.0, 0.0, 0.0]]])
+    run_both(lambda a: F.adaptive_max_pool2d(a, 2, return_indices=True), x)
+
+
+# --- upsampling ----------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["nearest", "nearest-exact"])
+@pytest.mark.parametrize("kw", [dict(size=(7, 5)), dict(scale_factor=2), dict(scale_factor=(1.7, 0.6)),
+                                dict(size=(4, 6))])
+def test_upsample_nearest2d(mode, kw):
+    run_both(lambda a: F.interpolate(a, mode=mode, **kw), make((2, 3, 4, 6)))
+    grads_both(lambda a: F.interpolate(a, mode=mode, **kw), make((2, 3, 4, 6)))
+
+
+def test_upsample_nearest_1d_3d_bf16():
+    for mode in ["nearest", "nearest-exact"]:
+        grads_both(lambda a: F.interpolate(a, size=9, mode=mode), make((2, 3, 5)))
+        grads_both(lambda a: F.interpolate(a, scale_factor=(2, 1.5, 0.5), mode=mode), make((1, 2, 3, 4, 6)))
+        run_both(lambda a: F.interpolate(a, size=(5, 9), mode=mode), make((2, 3, 4, 6), torch.bfloat16))
+
+
+@pytest.mark.parametrize("align_corners", [False, True])
+@pytest.mark.parametrize("kw", [dict(size=(7, 5)), dict(scale_factor=2), dict(scale_factor=(1.7, 0.6)),
+                                dict(size=(1, 6)), dict(size=(4, 6))])
+def test_upsample_bilinear2d(align_corners, kw):
+    grads_both(lambda a: F.interpolate(a, mode="bilinear", align_corners=align_corners, **kw), make((2, 3, 4, 6)))
+
+
+@pytest.mark.parametrize("align_corners", [False, True])
+@pytest.mark.parametrize("kw", [dict(size=(7, 5)), dict(scale_factor=2), dict(scale_factor=(1.7, 0.6)),
+                                dict(size=(1, 6)), dict(size=(4, 6))])
+def test_upsample_bicubic2d(align_corners, kw):
+    grads_both(lambda a: F.interpolate(a, mode="bicubic", align_corners=align_corners, **kw), make((2, 3, 4, 6)))
+    run_both(lambda a: F.interpolate(a, mode="bicubic", align_corners=align_corners, **kw),
+             make((2, 3, 4, 6), torch.bfloat16))
+
+
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_upsample_linear_trilinear_bf16(align_corners):
+    grads_both(lambda a: F.interpolate(a, size=11, mode="linear", align_corners=align_corners), make((2, 3, 5)))
+    grads_both(lambda a: F.interpolate(a, size=(3, 5, 8), mode="trilinear", align_corners=align_corners),
+               make((1, 2, 2, 4, 6)))
+    run_both(lambda a: F.interpolate(a, scale_factor=1.5, mode="bilinear", align_corners=align_corners),
+             make((2, 3, 4, 6), torch.bfloat16))
+    # channels-last input (non-contiguous strides)
+    x = make((2, 4, 6, 3)).permute(0, 3, 1, 2)
+    run_both(lambda a: F.interpolate(a, size=(9, 7), mode="bilinear", align_corners=align_corners), x)
+
+
+def test_upsample_out_variant():
+    x = make((2, 3, 4, 6))
+    expected = torch.ops.aten.upsample_bilinear2d(x, [7, 9], False)
+    out = torch.empty(expected.shape, device=TPU)
+    with no_fallback():
+        torch.ops.aten.upsample_bilinear2d.out(tpu(x), [7, 9], False, out=out)
+    check(out, expected)
