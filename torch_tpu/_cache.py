@@ -58,6 +58,8 @@ def read_stats() -> dict:
 
 
 def _save_stats() -> None:
+    if not _C._is_initialized():
+        return  # the runtime never started (no plugin, or no tpu work): nothing to count
     d = directory()
     counts = _process_counts()
     if not d or not any(counts.values()) or not os.path.isdir(d):

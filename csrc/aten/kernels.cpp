@@ -194,7 +194,8 @@ at::Tensor CopyFromAndResize(const at::Tensor& self, const at::Tensor& dst) {
 }
 
 at::Scalar LocalScalarDense(const at::Tensor& self) {
-  at::Tensor host = at::empty({}, self.options().device(at::kCPU));
+  // item() of any one-element tensor ([], [1], [1, 1], ...).
+  at::Tensor host = at::empty(self.sizes(), self.options().device(at::kCPU));
   CopyFrom(self, host, false);
   return host.item();
 }

@@ -139,6 +139,9 @@ void AppendStatic(std::vector<int64_t>& atoms, const c10::IValue& v) {
 
 
 void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& ids) {
+  if (!ids.seen.empty() && ids.seen.front()->device_index() != StorageOf(t).device_index())
+    throw std::runtime_error("Expected all tensors to be on the same device, but found at least two devices, tpu:" +
+                             std::to_string(ids.seen.front()->device_index()) + " and " + t.device().str() + "!");
   atoms.push_back(static_cast<int64_t>(t.scalar_type()));
   atoms.push_back(t.dim());
   for (int64_t s : t.sizes()) atoms.push_back(s);

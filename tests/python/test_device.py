@@ -246,3 +246,26 @@ def test_torch_save_load_round_trip(tmp_path):
     ref = torch.nn.Linear(4, 2)
     m.load_state_dict(ref.state_dict())
     assert torch.equal(m.weight.cpu(), ref.weight) and torch.equal(m.bias.cpu(), ref.bias)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+def test_item_of_one_element_tensors(shape):
+    x = torch.full(shape, 2.5)
+    t = x.to("tpu")
+    assert t.item() == 2.5 and float(t) == 2.5 and int(t) == 2
+    assert bool(t > 0) is True
+    assert torch.tensor([3], device="tpu").reshape(shape).item() == 3
+
+
+def test_tensors_on_two_tpu_devices_raise_like_cpu():
+    if torch.tpu.device_count() < 2:
+        pytest.skip("one tpu device")
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.ones(2, device="tpu:0") * torch.ones(2, device="tpu:1")
+
+
+def test_bad_plugin_path_prints_one_error():
+    r = run_python("import torch", env={"TORCH_TPU_PJRT_PLUGIN": "/nonexistent/plugin.so"})
+    assert r.returncode != 0
+    assert "/nonexistent/plugin.so" in r.stderr
+    assert "atexit" not in r.stderr
