@@ -255,6 +255,8 @@ int64_t Numel(const std::vector<int64_t>& s) {
 Value ReinterpretFlat(Builder& b, const Value& flat, ElementType to) {
   const ElementType from = flat.element();
   if (from == to) return flat;
+  if (hlo::IsComplex(from) || hlo::IsComplex(to))
+    throw LoweringError("complex storages are not reinterpreted on tpu (view_as_real/view_as_complex run on the CPU)");
   auto bytes = [](ElementType t) { return std::max(1, hlo::BitWidth(t) / 8); };
   if (from == ElementType::kPred || to == ElementType::kPred) {
     if (bytes(from) != 1 || bytes(to) != 1) throw LoweringError("cannot reinterpret bool storage elements");

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
+#include <unordered_set>
 
 #include "lowering/helpers.h"
 #include "runtime/disk_cache.h"
@@ -528,6 +529,19 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
     inputs.push_back(s);
   }
   ctx.outputs = spec.outputs;
+  // Complex numbers: only data movement is lowered; arithmetic runs on the
+  // CPU (the lowerings compute on real element types).
+  static const std::unordered_set<std::string_view> kComplexSafe = {"copy", "clone", "zero", "fill",
+                                                                    "_to_copy", "alias_copy", "view_copy"};
+  if (!kComplexSafe.count(entry.name)) {
+    bool complex = false;
+    for (const auto& o : spec.outputs) complex |= at::isComplexType(o.dtype);
+    for (const auto& a : ctx.args) {
+      complex |= a.kind == LoweredArg::Kind::kTensor && hlo::IsComplex(a.value.element());
+      for (size_t j = 0; j < a.list.size(); ++j) complex |= a.present[j] && hlo::IsComplex(a.list[j].element());
+    }
+    if (complex) throw UnsupportedOp("complex dtypes run on the CPU");
+  }
   AddIndexChecks(name, ctx, entry);
 
   std::vector<hlo::Value> results;
