@@ -122,3 +122,35 @@ def test_core_aten_op_set():
     assert H.natively_served("aten.permute.default") in ("view", "lowering")
     assert H.natively_served("aten.sym_size.int") == "metadata"
     assert H.natively_served("aten.not_an_op.default", lowered=set()) is None
+
+
+# Fused eager mode on the same samples: forward float32 of common OpInfos
+# (every OpInfo with TORCH_TPU_OPINFO_FULL=1). Each sample's calls form one
+# region that runs at the comparison's sync point; values must match CPU as
+# strict mode's do.
+FUSED_OPS = ["add", "sub", "mul", "div", "pow", "exp", "log", "tanh", "sigmoid", "nn.functional.gelu",
+             "nn.functional.relu", "where", "masked_fill", "clamp", "sum", "mean", "amax", "softmax",
+             "log_softmax", "nn.functional.layer_norm", "matmul", "mm", "bmm", "addmm", "nn.functional.linear",
+             "index_select", "gather", "cat", "stack", "transpose", "permute", "reshape", "expand",
+             "nn.functional.embedding", "cumsum", "topk", "sort", "nn.functional.conv2d",
+             "nn.functional.max_pool2d", "nn.functional.dropout"]
+
+
+def _fused_cases():
+    names = {H.full_name(op) for op in H.op_db()}
+    chosen = sorted(names) if FULL else [n for n in FUSED_OPS if n in names]
+    return [pytest.param(n, id=f"{n}-float32-fused-fwd") for n in chosen]
+
+
+@pytest.mark.parametrize("name", _fused_cases())
+def test_opinfo_fused(name, request):
+    reason = H.expected_failure(name, "float32", "fused", "fwd")
+    if reason:
+        request.node.add_marker(pytest.mark.xfail(reason=reason, strict=False))
+    op = H.find_op(name)
+    if torch.float32 not in op.supported_dtypes("cpu"):
+        pytest.skip("float32 not supported by the OpInfo")
+    samples = H.generate_samples(op, torch.float32, requires_grad=False, limit=MAX_SAMPLES)
+    outcomes = [H.run_sample(op, s, i, torch.float32, "fused", "fwd") for i, s in enumerate(samples)]
+    failed = [o for o in outcomes if o.status == "fail"]
+    assert not failed, f"{len(failed)}/{len(outcomes)} samples fail: {_summary(outcomes, 'fail')}"
