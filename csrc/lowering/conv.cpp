@@ -23,29 +23,7 @@ namespace {
 
 using hlo::ConvDims;
 
-std::vector<int64_t> IntList(const LoweringContext& ctx, std::string_view name) {
-  const LoweredArg* a = ctx.find(name);
-  if (!a || a->kind == LoweredArg::Kind::kNone) return {};
-  const c10::IValue& v = a->ivalue;
-  if (v.isNone()) return {};
-  if (v.isIntList()) return v.toIntVector();
-  if (v.isInt()) return {v.toInt()};
-  if (v.isSymIntList()) {
-    std::vector<int64_t> out;
-    for (const auto& s : v.toSymIntList()) out.push_back(static_cast<c10::SymInt>(s).expect_int());
-    return out;
-  }
-  throw LoweringError(ctx.op_name() + ": '" + std::string(name) + "' is not an int list");
-}
 
-std::vector<bool> BoolList(const LoweringContext& ctx, std::string_view name, size_t n) {
-  const LoweredArg* a = ctx.find(name);
-  std::vector<bool> out(n, true);
-  if (!a || !a->ivalue.isBoolList()) return out;
-  auto l = a->ivalue.toBoolList();
-  for (size_t i = 0; i < n && i < l.size(); ++i) out[i] = l[i];
-  return out;
-}
 
 // A per-spatial-dim parameter: PyTorch accepts one value for all dims.
 std::vector<int64_t> Expand(std::vector<int64_t> v, size_t n, int64_t fill) {
@@ -64,11 +42,11 @@ struct ConvParams {
 
 ConvParams ReadParams(const LoweringContext& ctx, size_t nsp) {
   ConvParams p;
-  p.stride = Expand(IntList(ctx, "stride"), nsp, 1);
-  p.padding = Expand(IntList(ctx, "padding"), nsp, 0);
-  p.dilation = Expand(IntList(ctx, "dilation"), nsp, 1);
+  p.stride = Expand(ctx.ints("stride"), nsp, 1);
+  p.padding = Expand(ctx.ints("padding"), nsp, 0);
+  p.dilation = Expand(ctx.ints("dilation"), nsp, 1);
   p.transposed = ctx.has("transposed") && ctx.bool_arg("transposed");
-  p.output_padding = Expand(ctx.has("output_padding") ? IntList(ctx, "output_padding") : std::vector<int64_t>{},
+  p.output_padding = Expand(ctx.has("output_padding") ? ctx.ints("output_padding") : std::vector<int64_t>{},
                             nsp, 0);
   p.groups = ctx.has("groups") ? ctx.int_arg("groups") : 1;
   return p;
@@ -257,7 +235,7 @@ std::vector<Value> LowerConvolution(LoweringContext& ctx) {
 
 std::vector<Value> LowerConvolutionBackward(LoweringContext& ctx) {
   auto& b = ctx.b;
-  auto mask = BoolList(ctx, "output_mask", 3);
+  auto mask = ctx.bools("output_mask", 3);
   const Value& x_in = ctx.tensor("input");
   at::ScalarType xt = ctx.arg("input").dtype;
   ElementType acc = AccOf(xt);

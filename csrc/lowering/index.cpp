@@ -20,20 +20,6 @@ namespace {
 
 using hlo::CompareDirection;
 
-std::vector<int64_t> IntList(const LoweringContext& ctx, std::string_view name) {
-  const LoweredArg* a = ctx.find(name);
-  if (!a || a->kind == LoweredArg::Kind::kNone) return {};
-  const c10::IValue& v = a->ivalue;
-  if (v.isNone()) return {};
-  if (v.isIntList()) return v.toIntVector();
-  if (v.isInt()) return {v.toInt()};
-  if (v.isSymIntList()) {
-    std::vector<int64_t> out;
-    for (const auto& s : v.toSymIntList()) out.push_back(static_cast<c10::SymInt>(s).expect_int());
-    return out;
-  }
-  throw LoweringError(ctx.op_name() + ": '" + std::string(name) + "' is not an int list");
-}
 
 Value Fit(Builder& b, const Value& v, const std::vector<int64_t>& sizes) {
   if (v.dims() == sizes) return v;
@@ -514,7 +500,7 @@ std::vector<Value> LowerConstantPadNd(LoweringContext& ctx) {
   auto& b = ctx.b;
   const auto& out = ctx.outputs[0];
   Value x = Cast(b, ctx.tensor("self"), out.dtype);
-  auto pad = IntList(ctx, "pad");
+  auto pad = ctx.ints("pad");
   const size_t r = static_cast<size_t>(x.rank());
   std::vector<int64_t> low(r, 0), high(r, 0), interior(r, 0);
   for (size_t i = 0; 2 * i < pad.size() && i < r; ++i) {
@@ -531,8 +517,8 @@ std::vector<Value> LowerFlip(LoweringContext& ctx) {
   auto& b = ctx.b;
   const auto& out = ctx.outputs[0];
   Value x = ctx.tensor("self");
-  auto dims = ReductionDims(IntList(ctx, "dims"), x.rank());
-  if (IntList(ctx, "dims").empty()) dims.clear();
+  auto dims = ReductionDims(ctx.ints("dims"), x.rank());
+  if (ctx.ints("dims").empty()) dims.clear();
   return {Out(b, b.Reverse(x, dims), out)};
 }
 
@@ -556,8 +542,8 @@ std::vector<Value> LowerRoll(LoweringContext& ctx) {
   auto& b = ctx.b;
   const auto& out = ctx.outputs[0];
   Value x = ctx.tensor("self");
-  auto shifts = IntList(ctx, "shifts");
-  auto dims = IntList(ctx, "dims");
+  auto shifts = ctx.ints("shifts");
+  auto dims = ctx.ints("dims");
   if (dims.empty()) {
     std::vector<int64_t> shape = x.dims();
     Value flat = b.Reshape(x, std::vector<int64_t>{x.type.numel()});
@@ -572,7 +558,7 @@ std::vector<Value> LowerRepeat(LoweringContext& ctx) {
   auto& b = ctx.b;
   const auto& out = ctx.outputs[0];
   Value x = ctx.tensor("self");
-  auto reps = IntList(ctx, "repeats");
+  auto reps = ctx.ints("repeats");
   if (Numel(out.sizes) == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
   const size_t n = reps.size();
   std::vector<int64_t> padded(n - static_cast<size_t>(x.rank()), 1);

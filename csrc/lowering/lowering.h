@@ -81,7 +81,10 @@ class LoweringContext {
   std::optional<int64_t> opt_int(std::string_view name) const;
   double float_arg(std::string_view name) const;
   bool bool_arg(std::string_view name) const;
+  // An int[]/SymInt[] (or a single int) argument; absent or None -> empty.
   std::vector<int64_t> ints(std::string_view name) const;
+  // A bool[n] argument such as output_mask; absent -> all true.
+  std::vector<bool> bools(std::string_view name, size_t n) const;
   std::optional<std::vector<int64_t>> opt_ints(std::string_view name) const;
   std::optional<at::ScalarType> opt_dtype(std::string_view name) const;
   std::string_view string_arg(std::string_view name) const;

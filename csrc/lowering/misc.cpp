@@ -22,29 +22,7 @@ namespace {
 
 using hlo::CompareDirection;
 
-std::vector<int64_t> IntList(const LoweringContext& ctx, std::string_view name) {
-  const LoweredArg* a = ctx.find(name);
-  if (!a || a->kind == LoweredArg::Kind::kNone) return {};
-  const c10::IValue& v = a->ivalue;
-  if (v.isNone()) return {};
-  if (v.isIntList()) return v.toIntVector();
-  if (v.isInt()) return {v.toInt()};
-  if (v.isSymIntList()) {
-    std::vector<int64_t> out;
-    for (const auto& s : v.toSymIntList()) out.push_back(static_cast<c10::SymInt>(s).expect_int());
-    return out;
-  }
-  throw LoweringError(ctx.op_name() + ": '" + std::string(name) + "' is not an int list");
-}
 
-std::vector<bool> BoolList(const LoweringContext& ctx, std::string_view name, size_t n) {
-  const LoweredArg* a = ctx.find(name);
-  std::vector<bool> out(n, true);
-  if (!a || !a->ivalue.isBoolList()) return out;
-  auto l = a->ivalue.toBoolList();
-  for (size_t i = 0; i < n && i < l.size(); ++i) out[i] = l[i];
-  return out;
-}
 
 int64_t Numel(std::span<const int64_t> s) {
   int64_t n = 1;
@@ -145,7 +123,7 @@ std::vector<Value> LowerGroupNorm(LoweringContext& ctx) {
 
 std::vector<Value> LowerGroupNormBackward(LoweringContext& ctx) {
   auto& b = ctx.b;
-  auto mask = BoolList(ctx, "output_mask", 3);
+  auto mask = ctx.bools("output_mask", 3);
   Value x = ctx.tensor("input");
   const int64_t n = ctx.int_arg("N"), c = ctx.int_arg("C"), hw = ctx.int_arg("HxW"), g = ctx.int_arg("group");
   ElementType acc = AccOf(ctx.arg("input").dtype);
@@ -209,7 +187,7 @@ std::vector<Value> PadForward(LoweringContext& ctx, bool reflect) {
   auto& b = ctx.b;
   const auto& out = ctx.outputs[0];
   Value x = ctx.tensor("self");
-  auto pad = IntList(ctx, "padding");
+  auto pad = ctx.ints("padding");
   if (Numel(out.sizes) == 0 || x.type.numel() == 0) return {Zeros(b, out)};
   const size_t k = pad.size() / 2;
   for (size_t j = 0; j < k; ++j) {
@@ -224,7 +202,7 @@ std::vector<Value> PadBackward(LoweringContext& ctx, bool reflect) {
   const auto& out = ctx.outputs[0];
   Value self = ctx.tensor("self");
   Value gy = ctx.tensor("grad_output");
-  auto pad = IntList(ctx, "padding");
+  auto pad = ctx.ints("padding");
   if (Numel(out.sizes) == 0 || gy.type.numel() == 0) return {Zeros(b, out)};
   ElementType acc = AccOf(out.dtype);
   gy = b.Convert(gy, acc);
@@ -250,7 +228,7 @@ struct Patches {
 
 Patches ReadPatches(const LoweringContext& ctx) {
   auto two = [&](std::string_view name) {
-    auto v = IntList(ctx, name);
+    auto v = ctx.ints(name);
     if (v.size() == 1) v.push_back(v[0]);
     if (v.size() != 2) throw LoweringError(ctx.op_name() + ": expected 2 values for " + std::string(name));
     return v;
@@ -303,7 +281,7 @@ std::vector<Value> LowerCol2im(LoweringContext& ctx) {
   ElementType acc = AccOf(out.dtype);
   x = b.Convert(x, acc);
   Patches p = ReadPatches(ctx);
-  auto osize = IntList(ctx, "output_size");
+  auto osize = ctx.ints("output_size");
   const int64_t H = osize[0], W = osize[1];
   const int64_t kh = p.kernel[0], kw = p.kernel[1];
   const int64_t hp = H + 2 * p.padding[0], wp = W + 2 * p.padding[1];
@@ -812,7 +790,7 @@ std::vector<Value> LowerGridSampler2d(LoweringContext& ctx) {
 // summed over channels, times d source / d grid (0 for nearest).
 std::vector<Value> LowerGridSampler2dBackward(LoweringContext& ctx) {
   auto& b = ctx.b;
-  auto mask = BoolList(ctx, "output_mask", 2);
+  auto mask = ctx.bools("output_mask", 2);
   const int64_t mode = ctx.int_arg("interpolation_mode");
   const int64_t padding_mode = ctx.int_arg("padding_mode");
   const bool align = ctx.bool_arg("align_corners");

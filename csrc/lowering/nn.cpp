@@ -13,29 +13,7 @@ namespace {
 
 using hlo::CompareDirection;
 
-std::vector<int64_t> IntList(const LoweringContext& ctx, std::string_view name) {
-  const LoweredArg* a = ctx.find(name);
-  if (!a || a->kind == LoweredArg::Kind::kNone) return {};
-  const c10::IValue& v = a->ivalue;
-  if (v.isNone()) return {};
-  if (v.isIntList()) return v.toIntVector();
-  if (v.isInt()) return {v.toInt()};
-  if (v.isSymIntList()) {
-    std::vector<int64_t> out;
-    for (const auto& s : v.toSymIntList()) out.push_back(static_cast<c10::SymInt>(s).expect_int());
-    return out;
-  }
-  throw LoweringError(ctx.op_name() + ": '" + std::string(name) + "' is not an int list");
-}
 
-std::vector<bool> BoolList(const LoweringContext& ctx, std::string_view name, size_t n) {
-  const LoweredArg* a = ctx.find(name);
-  std::vector<bool> out(n, true);
-  if (!a || !a->ivalue.isBoolList()) return out;
-  auto l = a->ivalue.toBoolList();
-  for (size_t i = 0; i < n && i < l.size(); ++i) out[i] = l[i];
-  return out;
-}
 
 Value Fit(Builder& b, const Value& v, const std::vector<int64_t>& sizes) {
   if (v.dims() == sizes) return v;
@@ -138,7 +116,7 @@ std::vector<Value> LowerLayerNorm(LoweringContext& ctx) {
   Value input = ctx.tensor("input");
   at::ScalarType acc = Acc(out.dtype);
   Value x = Cast(b, input, acc);
-  const int64_t nd = static_cast<int64_t>(IntList(ctx, "normalized_shape").size());
+  const int64_t nd = static_cast<int64_t>(ctx.ints("normalized_shape").size());
   const int64_t axis = x.rank() - nd;
   std::vector<int64_t> dims;
   for (int64_t d = axis; d < x.rank(); ++d) dims.push_back(d);
@@ -165,12 +143,12 @@ std::vector<Value> LowerLayerNorm(LoweringContext& ctx) {
 std::vector<Value> LowerLayerNormBackward(LoweringContext& ctx) {
   RequireDefinedOutputs(ctx);
   auto& b = ctx.b;
-  auto mask = BoolList(ctx, "output_mask", 3);
+  auto mask = ctx.bools("output_mask", 3);
   Value input = ctx.tensor("input");
   at::ScalarType acc = Acc(input.element() == ElementType::kF64 ? at::kDouble : at::kFloat);
   Value x = Cast(b, input, acc);
   Value g = Prepare(b, ctx.tensor("grad_out"), acc, x.dims());
-  const int64_t nd = static_cast<int64_t>(IntList(ctx, "normalized_shape").size());
+  const int64_t nd = static_cast<int64_t>(ctx.ints("normalized_shape").size());
   const int64_t axis = x.rank() - nd;
   std::vector<int64_t> norm_dims, batch_dims;
   for (int64_t d = 0; d < x.rank(); ++d) (d >= axis ? norm_dims : batch_dims).push_back(d);
@@ -272,7 +250,7 @@ std::vector<Value> LowerBatchNorm(LoweringContext& ctx) {
 std::vector<Value> LowerBatchNormBackward(LoweringContext& ctx) {
   RequireDefinedOutputs(ctx);
   auto& b = ctx.b;
-  auto mask = BoolList(ctx, "output_mask", 3);
+  auto mask = ctx.bools("output_mask", 3);
   Value input = ctx.tensor("input");
   at::ScalarType acc = input.element() == ElementType::kF64 ? at::kDouble : at::kFloat;
   ElementType e = ToElementType(acc);

@@ -31,20 +31,6 @@ namespace {
 
 using hlo::CompareDirection;
 
-std::vector<int64_t> IntList(const LoweringContext& ctx, std::string_view name) {
-  const LoweredArg* a = ctx.find(name);
-  if (!a || a->kind == LoweredArg::Kind::kNone) return {};
-  const c10::IValue& v = a->ivalue;
-  if (v.isNone()) return {};
-  if (v.isIntList()) return v.toIntVector();
-  if (v.isInt()) return {v.toInt()};
-  if (v.isSymIntList()) {
-    std::vector<int64_t> out;
-    for (const auto& s : v.toSymIntList()) out.push_back(static_cast<c10::SymInt>(s).expect_int());
-    return out;
-  }
-  throw LoweringError(ctx.op_name() + ": '" + std::string(name) + "' is not an int list");
-}
 
 std::vector<int64_t> Expand(const LoweringContext& ctx, std::vector<int64_t> v, size_t n,
                             const std::vector<int64_t>& fallback) {
@@ -230,10 +216,10 @@ struct PoolGeom {
 PoolGeom ReadPoolGeom(const LoweringContext& ctx, size_t nsp, bool has_dilation) {
   PoolGeom g;
   g.nsp = nsp;
-  g.kernel = Expand(ctx, IntList(ctx, "kernel_size"), nsp, {});
-  g.stride = Expand(ctx, IntList(ctx, "stride"), nsp, g.kernel);
-  g.padding = Expand(ctx, IntList(ctx, "padding"), nsp, {0});
-  g.dilation = has_dilation ? Expand(ctx, IntList(ctx, "dilation"), nsp, {1}) : std::vector<int64_t>(nsp, 1);
+  g.kernel = Expand(ctx, ctx.ints("kernel_size"), nsp, {});
+  g.stride = Expand(ctx, ctx.ints("stride"), nsp, g.kernel);
+  g.padding = Expand(ctx, ctx.ints("padding"), nsp, {0});
+  g.dilation = has_dilation ? Expand(ctx, ctx.ints("dilation"), nsp, {1}) : std::vector<int64_t>(nsp, 1);
   return g;
 }
 

@@ -20,20 +20,6 @@ namespace {
 using hlo::CompareDirection;
 
 // An int[] argument (also SymInt[] and a bare int); empty if None/absent.
-std::vector<int64_t> IntList(const LoweringContext& ctx, std::string_view name) {
-  const LoweredArg* a = ctx.find(name);
-  if (!a || a->kind == LoweredArg::Kind::kNone) return {};
-  const c10::IValue& v = a->ivalue;
-  if (v.isNone()) return {};
-  if (v.isIntList()) return v.toIntVector();
-  if (v.isInt()) return {v.toInt()};
-  if (v.isSymIntList()) {
-    std::vector<int64_t> out;
-    for (const auto& s : v.toSymIntList()) out.push_back(static_cast<c10::SymInt>(s).expect_int());
-    return out;
-  }
-  throw LoweringError(ctx.op_name() + ": '" + std::string(name) + "' is not an int list");
-}
 
 // Reshapes `v` to the meta kernel's output sizes (keepdim forms).
 Value Fit(Builder& b, const Value& v, const std::vector<int64_t>& sizes) {
@@ -54,7 +40,7 @@ at::ScalarType AccType(at::ScalarType out) { return OpMathType(out); }
 
 // The reduction dims of an op: "dim" as int, int[] or None (None/[] = all).
 std::vector<int64_t> DimsOf(const LoweringContext& ctx, const Value& x) {
-  return ReductionDims(IntList(ctx, "dim"), x.rank());
+  return ReductionDims(ctx.ints("dim"), x.rank());
 }
 
 bool KeepDim(const LoweringContext& ctx) {

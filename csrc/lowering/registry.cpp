@@ -140,11 +140,27 @@ bool LoweringContext::bool_arg(std::string_view name) const {
 }
 
 std::vector<int64_t> LoweringContext::ints(std::string_view name) const {
-  const auto& a = arg(name);
-  if (a.ivalue.isIntList()) return a.ivalue.toIntVector();
-  if (a.ivalue.isInt()) return {a.ivalue.toInt()};
-  if (a.ivalue.isNone()) return {};
+  const LoweredArg* a = find(name);
+  if (!a || a->kind == LoweredArg::Kind::kNone || a->ivalue.isNone()) return {};
+  const c10::IValue& v = a->ivalue;
+  if (v.isIntList()) return v.toIntVector();
+  if (v.isInt()) return {v.toInt()};
+  if (v.isSymIntList()) {
+    std::vector<int64_t> out;
+    for (const auto& s : v.toSymIntList()) out.push_back(static_cast<c10::SymInt>(s).expect_int());
+    return out;
+  }
+  if (v.isSymInt()) return {v.toSymInt().expect_int()};
   throw LoweringError(op_name() + ": '" + std::string(name) + "' is not an int list");
+}
+
+std::vector<bool> LoweringContext::bools(std::string_view name, size_t n) const {
+  std::vector<bool> out(n, true);
+  const LoweredArg* a = find(name);
+  if (!a || !a->ivalue.isBoolList()) return out;
+  auto l = a->ivalue.toBoolList();
+  for (size_t i = 0; i < n && i < l.size(); ++i) out[i] = l[i];
+  return out;
 }
 
 std::optional<std::vector<int64_t>> LoweringContext::opt_ints(std::string_view name) const {

@@ -6,20 +6,6 @@
 namespace torch_tpu::lowering {
 namespace {
 
-std::vector<int64_t> IntList(const LoweringContext& ctx, std::string_view name) {
-  const LoweredArg* a = ctx.find(name);
-  if (!a || a->kind == LoweredArg::Kind::kNone) return {};
-  const c10::IValue& v = a->ivalue;
-  if (v.isNone()) return {};
-  if (v.isIntList()) return v.toIntVector();
-  if (v.isInt()) return {v.toInt()};
-  if (v.isSymIntList()) {
-    std::vector<int64_t> out;
-    for (const auto& s : v.toSymIntList()) out.push_back(static_cast<c10::SymInt>(s).expect_int());
-    return out;
-  }
-  throw LoweringError(ctx.op_name() + ": '" + std::string(name) + "' is not an int list");
-}
 
 // expand_copy(self, size): broadcast to the meta's sizes.
 std::vector<Value> LowerExpandCopy(LoweringContext& ctx) {
@@ -38,7 +24,7 @@ std::vector<Value> LowerPermuteCopy(LoweringContext& ctx) {
   const auto& out = ctx.outputs[0];
   Value x = ctx.tensor("self");
   std::vector<int64_t> perm;
-  for (int64_t d : IntList(ctx, "dims")) perm.push_back(NormalizeDim(d, x.rank()));
+  for (int64_t d : ctx.ints("dims")) perm.push_back(NormalizeDim(d, x.rank()));
   return {Cast(ctx.b, ctx.b.Transpose(x, perm), out.dtype)};
 }
 

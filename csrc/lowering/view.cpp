@@ -14,20 +14,6 @@ namespace {
 
 const LoweringTraits kView{.graph_only = true};
 
-std::vector<int64_t> IntList(const LoweringContext& ctx, std::string_view name) {
-  const LoweredArg* a = ctx.find(name);
-  if (!a || a->kind == LoweredArg::Kind::kNone) return {};
-  const c10::IValue& v = a->ivalue;
-  if (v.isNone()) return {};
-  if (v.isIntList()) return v.toIntVector();
-  if (v.isInt()) return {v.toInt()};
-  if (v.isSymIntList()) {
-    std::vector<int64_t> out;
-    for (const auto& s : v.toSymIntList()) out.push_back(static_cast<c10::SymInt>(s).expect_int());
-    return out;
-  }
-  throw LoweringError(ctx.op_name() + ": '" + std::string(name) + "' is not an int list");
-}
 
 std::vector<int64_t> ContiguousStrides(std::span<const int64_t> sizes) {
   std::vector<int64_t> strides(sizes.size(), 1);
@@ -97,7 +83,7 @@ std::vector<Value> LowerTranspose(LoweringContext& ctx) {
 std::vector<Value> LowerPermute(LoweringContext& ctx) {
   Value x = ctx.tensor("self");
   std::vector<int64_t> perm;
-  for (int64_t d : IntList(ctx, "dims")) perm.push_back(NormalizeDim(d, x.rank()));
+  for (int64_t d : ctx.ints("dims")) perm.push_back(NormalizeDim(d, x.rank()));
   if (static_cast<int64_t>(perm.size()) != x.rank())
     throw LoweringError(ctx.op_name() + ": permutation of the wrong length");
   return {ctx.b.Transpose(x, perm)};
@@ -193,8 +179,8 @@ std::vector<Value> LowerUnbind(LoweringContext& ctx) {
 std::vector<Value> LowerAsStrided(LoweringContext& ctx) {
   Value x = ctx.tensor("self");
   ViewLayout view;
-  view.sizes = IntList(ctx, "size");
-  view.strides = IntList(ctx, "stride");
+  view.sizes = ctx.ints("size");
+  view.strides = ctx.ints("stride");
   view.offset = ctx.has("storage_offset") ? ctx.int_arg("storage_offset") : 0;
   if (view.sizes.size() != view.strides.size())
     throw LoweringError(ctx.op_name() + ": sizes and strides differ in length");
