@@ -443,8 +443,9 @@ def write_report(args) -> dict:
       "PyTorch kernel only builds an `as_strided`/`alias` view (`expand`, `permute`, `select`, `slice`, "
       "`squeeze`, `unsqueeze`, `diagonal`, `split_with_sizes`, `alias`), or a size/stride query (`sym_*`). "
       "\"(some inputs fall back)\": the lowering raised for some samples, which then ran on the CPU.")
-    w("- *decomposed (runs natively)*: no lowering, but PyTorch's own CompositeExplicitAutograd kernel "
-      "turns it into ops that are lowered, and no OpInfo sample that reached it fell back.")
+    w("- *decomposed (runs natively)*: no lowering, but PyTorch decomposes it: a CompositeImplicitAutograd "
+      "kernel (the op never reaches the tpu key), or a CompositeExplicitAutograd kernel that turns it into "
+      "lowered ops, with no fallback in any OpInfo sample that reached it.")
     w("- *CPU fallback*: no lowering; \"observed\" when an OpInfo sample was seen falling back through it "
       "(`torch_tpu.metrics()[\"cpu_fallbacks\"]`).")
     w("- *untested*: no lowering and no OpInfo sample reached it (it would fall back).")

@@ -247,6 +247,11 @@ def tolerance(op, dtype, out_dtype=None, phase: str = "fwd") -> tuple[float, flo
 # from a full run and pasted here; an entry whose test passes shows as XPASS
 # (not an error), so fixing an op never breaks the suite; a failure not
 # listed here does.
+_BF16_ACC = ("bfloat16: differs from CPU beyond atol=1e-2 in a few elements (accumulation and rounding order "
+             "of a reduction)")
+_DEBUG_MASKED_NAN = ("debug mode's NaN/Inf check fires on an intermediate NaN/Inf that the op masks later "
+                     "(CPU's result is finite)")
+
 EXPECTED_FAILURES: dict[tuple[str, str, str, str], str] = {
     ("native_layer_norm", "bfloat16", "*", "fwd"):
         "mean/rstd are float32 as PyTorch's meta kernel (and CUDA) give; CPU returns bfloat16",
@@ -261,6 +266,29 @@ EXPECTED_FAILURES: dict[tuple[str, str, str, str], str] = {
     ("fft.hfftn", "*", "*", "*"): "wrong values after the CPU-fallback FFT: not yet diagnosed",
     ("linalg.eig", "float32", "*", "bwd"):
         "complex eigenvector phase: the loss depends on it (CPU raises for another sample order)",
+    # Measured by the full run (tools/op_coverage.py --full); not in the fast subset's samples.
+    ("div.trunc_rounding", "bfloat16", "*", "fwd"):
+        "CPU rounds the quotient to bfloat16 before truncating (-3.890625 / -0.216796875: 17.95 -> 18 -> 18); "
+        "the lowering truncates the float32 quotient (17)",
+    ("addr", "bfloat16", "*", "fwd"): _BF16_ACC,
+    ("nn.functional.conv_transpose2d", "bfloat16", "*", "fwd"): _BF16_ACC,
+    ("nn.functional.conv_transpose3d", "bfloat16", "*", "fwd"): _BF16_ACC,
+    ("nn.functional.instance_norm", "bfloat16", "*", "fwd"): _BF16_ACC,
+    ("nn.functional.interpolate.area", "bfloat16", "*", "fwd"): _BF16_ACC,
+    ("nn.functional.interpolate.trilinear", "bfloat16", "*", "fwd"): _BF16_ACC,
+    # Debug mode's NaN/Inf check fires on an intermediate that the op masks later.
+    ("cumprod", "float32", "debug", "bwd"): _DEBUG_MASKED_NAN,
+    ("linalg.norm", "float32", "debug", "bwd"): _DEBUG_MASKED_NAN,
+    ("linalg.norm.subgradients_at_zero", "float32", "debug", "bwd"): _DEBUG_MASKED_NAN,
+    ("linalg.pinv.singular", "float32", "debug", "*"): _DEBUG_MASKED_NAN,
+    ("masked.log_softmax", "float32", "debug", "bwd"): _DEBUG_MASKED_NAN,
+    ("masked.logaddexp", "float32", "debug", "bwd"): _DEBUG_MASKED_NAN,
+    ("masked.logsumexp", "float32", "debug", "bwd"): _DEBUG_MASKED_NAN,
+    ("masked.mean", "float32", "debug", "bwd"): _DEBUG_MASKED_NAN,
+    ("masked.norm", "float32", "debug", "bwd"): _DEBUG_MASKED_NAN,
+    ("masked.softmax", "float32", "debug", "bwd"): _DEBUG_MASKED_NAN,
+    ("masked.softmin", "float32", "debug", "bwd"): _DEBUG_MASKED_NAN,
+    ("nn.functional.poisson_nll_loss", "*", "debug", "fwd"): _DEBUG_MASKED_NAN,
 }
 
 
