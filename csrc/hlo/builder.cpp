@@ -662,4 +662,68 @@ std::pair<Value, Value> Builder::RngBitGenerator(const Value& state, const Tenso
   return {v[0], v[1]};
 }
 
+std::vector<Value> Builder::While(std::span<const Value> init, const RegionFn& cond,
+                                 const RegionFn& body) {
+  if (init.empty()) throw BuildError("stablehlo.while: no loop-carried values");
+  std::vector<TensorType> types;
+  for (const auto& v : init) types.push_back(v.type);
+  RegionFn checked_cond = [&](Builder& b, std::span<const Value> args) {
+    std::vector<Value> r = cond(b, args);
+    if (r.size() != 1 || !(r[0].type == TensorType{ElementType::kPred, {}}))
+      throw BuildError("stablehlo.while: the condition must return one tensor<i1>");
+    return r;
+  };
+  RegionFn checked_body = [&](Builder& b, std::span<const Value> args) {
+    std::vector<Value> r = body(b, args);
+    if (r.size() != types.size())
+      throw BuildError("stablehlo.while: the body must return one value per loop-carried value");
+    for (size_t i = 0; i < r.size(); ++i)
+      if (!(r[i].type == types[i]))
+        throw BuildError("stablehlo.while: body result " + std::to_string(i) + " has type " +
+                         r[i].type.ToString() + ", expected " + types[i].ToString());
+    return r;
+  };
+  std::pair<std::vector<TensorType>, RegionFn> regions[] = {{types, checked_cond}, {types, checked_body}};
+  return EmitValues("stablehlo.while", init, types, {}, regions);
+}
+
+Value Builder::TriangularSolve(const Value& a, const Value& b, bool left_side, bool lower,
+                               bool unit_diagonal, bool transpose_a) {
+  if (a.rank() < 2 || a.rank() != b.rank())
+    throw BuildError("stablehlo.triangular_solve: a and b need the same rank >= 2, got " +
+                     a.type.ToString() + " and " + b.type.ToString());
+  if (a.element() != b.element())
+    throw BuildError("stablehlo.triangular_solve: element types differ");
+  const size_t r = static_cast<size_t>(a.rank());
+  const int64_t n = a.dims()[r - 1];
+  if (a.dims()[r - 2] != n) throw BuildError("stablehlo.triangular_solve: a must be square");
+  if ((left_side ? b.dims()[r - 2] : b.dims()[r - 1]) != n)
+    throw BuildError("stablehlo.triangular_solve: b's size does not match a: " + a.type.ToString() +
+                     " vs " + b.type.ToString());
+  for (size_t i = 0; i + 2 < r; ++i)
+    if (a.dims()[i] != b.dims()[i]) throw BuildError("stablehlo.triangular_solve: batch dims differ");
+  auto tf = [](bool v) { return v ? std::string("true") : std::string("false"); };
+  std::string attr = "left_side = " + tf(left_side) + ", lower = " + tf(lower) +
+                     ", unit_diagonal = " + tf(unit_diagonal) +
+                     ", transpose_a = #stablehlo<transpose " +
+                     (transpose_a ? "TRANSPOSE" : "NO_TRANSPOSE") + ">";
+  Value in[] = {a, b};
+  return Emit1("stablehlo.triangular_solve", in, b.type, attr);
+}
+
+Value Builder::Cholesky(const Value& a, bool lower) {
+  if (a.rank() < 2 || a.dims()[static_cast<size_t>(a.rank() - 1)] != a.dims()[static_cast<size_t>(a.rank() - 2)])
+    throw BuildError("stablehlo.cholesky: needs square matrices, got " + a.type.ToString());
+  Value in[] = {a};
+  return Emit1("stablehlo.cholesky", in, a.type, std::string("lower = ") + (lower ? "true" : "false"));
+}
+
+std::vector<Value> Builder::CustomCall(std::string_view target, std::span<const Value> operands,
+                                       std::span<const TensorType> result_types,
+                                       std::string_view backend_config) {
+  std::string attr = "call_target_name = \"" + std::string(target) + "\", backend_config = \"" +
+                     std::string(backend_config) + "\", api_version = 1 : i32";
+  return EmitValues("stablehlo.custom_call", operands, result_types, attr);
+}
+
 }  // namespace torch_tpu::hlo

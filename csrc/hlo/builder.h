@@ -184,6 +184,28 @@ class Builder {
   // THREE_FRY random bits: state tensor<2xui64> -> (new state, bits of `type`).
   std::pair<Value, Value> RngBitGenerator(const Value& state, const TensorType& type);
 
+  // --- control flow and linear algebra ------------------------------------
+  // stablehlo.while: loop-carried values start at `init`; cond(values) returns
+  // one 0-d pred, body(values) returns the next values (same types). Region
+  // bodies may use values defined outside the loop. Returns the final values.
+  std::vector<Value> While(std::span<const Value> init, const RegionFn& cond, const RegionFn& body);
+  // stablehlo.triangular_solve: a [..., n, n] (only the `lower`/upper triangle
+  // is read; unit_diagonal assumes ones on the diagonal), b [..., n, k]
+  // (left_side: solves op(a) x = b) or [..., k, n] (x op(a) = b);
+  // op(a) = a^T where transpose_a. Floating or complex elements; same batch dims.
+  Value TriangularSolve(const Value& a, const Value& b, bool left_side, bool lower,
+                        bool unit_diagonal, bool transpose_a);
+  // stablehlo.cholesky of a [..., n, n]: lower -> L with a = L L^T (reads the
+  // lower triangle), else U with a = U^T U. The opposite triangle of the
+  // result is implementation-defined; non positive-definite input gives NaN.
+  Value Cholesky(const Value& a, bool lower);
+  // stablehlo.custom_call @target (api_version 1, string backend_config),
+  // e.g. XLA's "Qr", "Eigh" and "ProductOfElementaryHouseholderReflectors",
+  // which XLA's own expander passes rewrite into HLO.
+  std::vector<Value> CustomCall(std::string_view target, std::span<const Value> operands,
+                                std::span<const TensorType> result_types,
+                                std::string_view backend_config = {});
+
   // Emits an arbitrary op in generic form (escape hatch for lowerings):
   // `attributes` is the text inside {...} (may be empty).
   std::vector<Value> Op(std::string_view name, std::span<const Value> operands,

@@ -47,6 +47,11 @@ struct LoweredArg {
   c10::IValue ivalue;
   at::ScalarType dtype = at::ScalarType::Undefined;  // kTensor/kScalar: torch dtype
   bool wrapped_number = false;                       // Python number / CPU 0-d tensor
+  // kTensor: the tensor's is_contiguous() (eager executors; the executable
+  // cache keys on strides). For the few ops whose CPU result depends on the
+  // input's layout (det/slogdet factor A^T when A is contiguous, and their
+  // backward reads that LU). Graph lowering sees values: always true.
+  bool contiguous = true;
 };
 
 // The output PyTorch's meta kernel computed for a returned tensor.

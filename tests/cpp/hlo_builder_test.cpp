@@ -102,6 +102,74 @@ TEST(Builder, MultiResultOpsAreNumbered) {
   EXPECT_EQ(bits.dims(), (std::vector<int64_t>{8}));
 }
 
+TEST(Builder, WhileLoopHasConditionAndBodyRegions) {
+  Builder b;
+  Value x = b.Parameter({ElementType::kF32, {3}});
+  Value init[] = {b.ConstantInt({ElementType::kS32, {}}, 0), x};
+  auto r = b.While(
+      init,
+      [](Builder& bb, std::span<const Value> v) {
+        return std::vector<Value>{bb.Compare(v[0], bb.ConstantInt({ElementType::kS32, {}}, 4),
+                                             CompareDirection::kLT)};
+      },
+      [&](Builder& bb, std::span<const Value> v) {
+        // Uses `x`, defined outside the loop.
+        return std::vector<Value>{bb.Add(v[0], bb.ConstantInt({ElementType::kS32, {}}, 1)), bb.Add(v[1], x)};
+      });
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[0].name.substr(r[0].name.size() - 2), "#0");
+  EXPECT_EQ(r[1].type, x.type);
+  b.Return(std::span(&r[1], 1));
+  std::string m = b.Module();
+  EXPECT_TRUE(Contains(m, "\"stablehlo.while\"("));
+  EXPECT_TRUE(Contains(m, "}, {"));  // two regions
+  EXPECT_TRUE(Contains(m, "-> (tensor<i32>, tensor<3xf32>)"));
+}
+
+TEST(Builder, WhileRejectsMismatchedRegions) {
+  Builder b;
+  Value x = b.Parameter({ElementType::kF32, {3}});
+  auto cond_ok = [](Builder& bb, std::span<const Value>) {
+    return std::vector<Value>{bb.Constant({ElementType::kPred, {}}, 1)};
+  };
+  auto same = [](Builder&, std::span<const Value> v) { return std::vector<Value>(v.begin(), v.end()); };
+  // Condition must be one tensor<i1>.
+  EXPECT_THROW(b.While(std::span(&x, 1), same, same), BuildError);
+  // Body results must keep the loop-carried types.
+  EXPECT_THROW(b.While(std::span(&x, 1), cond_ok,
+                       [](Builder& bb, std::span<const Value> v) {
+                         return std::vector<Value>{bb.Convert(v[0], ElementType::kF64)};
+                       }),
+               BuildError);
+  EXPECT_THROW(b.While({}, cond_ok, same), BuildError);
+}
+
+TEST(Builder, LinearAlgebraOps) {
+  Builder b;
+  Value a = b.Parameter({ElementType::kF32, {2, 4, 4}});
+  Value rhs = b.Parameter({ElementType::kF32, {2, 4, 3}});
+  Value wide = b.Parameter({ElementType::kF32, {2, 4, 5}});
+  Value x = b.TriangularSolve(a, rhs, true, false, true, true);
+  EXPECT_EQ(x.type, rhs.type);
+  Value l = b.Cholesky(a, true);
+  EXPECT_EQ(l.type, a.type);
+  TensorType qr_types[] = {a.type, TensorType{ElementType::kF32, {2, 4}}};
+  auto qr = b.CustomCall("Qr", std::span(&a, 1), qr_types);
+  ASSERT_EQ(qr.size(), 2u);
+  EXPECT_EQ(qr[1].dims(), (std::vector<int64_t>{2, 4}));
+  Value outs[] = {x, l, qr[0]};
+  b.Return(outs);
+  std::string m = b.Module();
+  EXPECT_TRUE(Contains(m, "left_side = true, lower = false, unit_diagonal = true, "
+                          "transpose_a = #stablehlo<transpose TRANSPOSE>"));
+  EXPECT_TRUE(Contains(m, "\"stablehlo.cholesky\"(%arg0) {lower = true}"));
+  EXPECT_TRUE(Contains(m, "call_target_name = \"Qr\", backend_config = \"\", api_version = 1 : i32"));
+  // Shape errors name the op.
+  EXPECT_THROW(b.TriangularSolve(wide, rhs, true, true, false, false), BuildError);
+  EXPECT_THROW(b.TriangularSolve(a, rhs, false, true, false, false), BuildError);  // right side: k x n
+  EXPECT_THROW(b.Cholesky(wide, true), BuildError);
+}
+
 TEST(Builder, ModuleRequiresReturn) {
   Builder b;
   b.Parameter({ElementType::kF32, {1}});
