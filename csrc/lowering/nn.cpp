@@ -1,6 +1,8 @@
 // Neural-network building blocks: softmax/log_softmax (+backward), layer norm
 // (+backward), batch norm (+backward), dropout (+backward), nll_loss
-// (+backward), mse_loss (+backward), embedding_dense_backward.
+// (+backward), mse_loss (+backward), embedding_dense_backward, glu
+// (+backward), log_sigmoid_forward (+backward), _prelu_kernel (+backward),
+// binary_cross_entropy (+backward).
 //
 // Everything computes in the op-math dtype (f32 for bf16/f16) and rounds
 // once to the meta kernel's output dtype.
@@ -552,6 +554,196 @@ std::vector<Value> LowerEmbeddingDenseBackward(LoweringContext& ctx) {
   return {Out(b, r, out)};
 }
 
+// ---------------------------------------------------------------------------
+// Elementwise nn ops computed as PyTorch's CPU kernels do: in f32 for
+// bf16/f16 (rounding once, or after each step where the CPU kernel runs in
+// c10::BFloat16 arithmetic), in the dtype itself otherwise.
+
+// One c10::BFloat16/Half operation: round an f32 value to `t` and back (no-op
+// for float/double).
+Value RoundTo(Builder& b, const Value& v, at::ScalarType t) {
+  if (t != at::kBFloat16 && t != at::kHalf) return v;
+  return b.Convert(b.Convert(v, ToElementType(t)), v.element());
+}
+
+void RequireFloating(const LoweringContext& ctx, at::ScalarType t) {
+  if (!at::isFloatingType(t))
+    throw LoweringError(ctx.op_name() + ": expected a floating point input, got " + std::string(c10::toString(t)));
+}
+
+// glu(self, dim): a * sigmoid(b) where a, b are the halves of self along dim
+// (its size must be even). Shapes: self (..., 2k, ...) -> (..., k, ...).
+struct GluHalves {
+  Value a, b;
+  int64_t dim;
+};
+GluHalves SplitHalves(LoweringContext& ctx, const Value& x) {
+  auto& b = ctx.b;
+  if (x.rank() == 0) throw LoweringError(ctx.op_name() + ": glu does not support scalars because halving size must be even");
+  const int64_t dim = NormalizeDim(ctx.int_arg("dim"), x.rank());
+  const int64_t n = x.dims()[static_cast<size_t>(dim)];
+  if (n % 2 != 0)
+    throw LoweringError(ctx.op_name() + ": Halving dimension must be even, but dimension " + std::to_string(dim) +
+                        " is size " + std::to_string(n));
+  std::vector<int64_t> start(static_cast<size_t>(x.rank()), 0), mid = x.dims(), stride(static_cast<size_t>(x.rank()), 1);
+  mid[static_cast<size_t>(dim)] = n / 2;
+  std::vector<int64_t> start2 = start;
+  start2[static_cast<size_t>(dim)] = n / 2;
+  return {b.Slice(x, start, mid, stride), b.Slice(x, start2, x.dims(), stride), dim};
+}
+
+Value SigmoidOf(Builder& b, const Value& x) {
+  Value one = ConstLike(b, x, 1);
+  return b.Div(one, b.Add(one, b.Exp(b.Neg(x))));
+}
+
+std::vector<Value> LowerGlu(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  RequireFloating(ctx, out.dtype);
+  Value x = Cast(b, ctx.tensor("self"), Acc(out.dtype));
+  GluHalves h = SplitHalves(ctx, x);
+  return {Out(b, b.Mul(h.a, SigmoidOf(b, h.b)), out)};
+}
+
+// glu_backward: d/da = g * s, d/db = g * a * s * (1 - s), s = sigmoid(b)
+// (rounded to the dtype first, as the CPU kernel stores it), concatenated.
+std::vector<Value> LowerGluBackward(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  RequireFloating(ctx, out.dtype);
+  at::ScalarType acc = Acc(out.dtype);
+  Value x = Cast(b, ctx.tensor("self"), acc);
+  GluHalves h = SplitHalves(ctx, x);
+  Value g = Prepare(b, ctx.tensor("grad_output"), acc, h.a.dims());
+  Value sig = RoundTo(b, SigmoidOf(b, h.b), out.dtype);
+  Value ga = b.Mul(sig, g);
+  Value gb = b.Mul(b.Mul(b.Mul(b.Sub(ConstLike(b, sig, 1), sig), sig), h.a), g);
+  Value parts[] = {ga, gb};
+  return {Out(b, b.Concatenate(parts, h.dim), out)};
+}
+
+// log_sigmoid_forward: output = min(x, 0) - log1p(exp(-|x|)), buffer =
+// exp(-|x|) (the CPU kernel's buffer; shapes as self).
+std::vector<Value> LowerLogSigmoidForward(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  RequireFloating(ctx, out.dtype);
+  Value x = Cast(b, ctx.tensor("self"), Acc(out.dtype));
+  Value z = b.Exp(b.Neg(b.Abs(x)));
+  Value y = b.Sub(MinPropagateNaN(b, x, ConstLike(b, x, 0)), b.Unary("stablehlo.log_plus_one", z));
+  const auto& buf = ctx.outputs[1];
+  Value buffer = Numel(buf.sizes) == z.type.numel() ? Out(b, z, buf) : Unused(b, buf);
+  return {Out(b, y, out), buffer};
+}
+
+// log_sigmoid_backward: (max_deriv - sign * z / (1 + z)) * g with
+// max_deriv = x < 0, sign = x < 0 ? 1 : -1, z = buffer where it holds
+// exp(-|x|) for every element (CPU), else recomputed.
+std::vector<Value> LowerLogSigmoidBackward(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  RequireFloating(ctx, out.dtype);
+  at::ScalarType acc = Acc(out.dtype);
+  Value x = Prepare(b, ctx.tensor("self"), acc, out.sizes);
+  Value g = Prepare(b, ctx.tensor("grad_output"), acc, out.sizes);
+  Value z;
+  const Value& buffer = ctx.tensor("buffer");
+  if (buffer.dims() == out.sizes) {
+    z = Cast(b, buffer, acc);
+  } else {
+    z = RoundTo(b, b.Exp(b.Neg(b.Abs(x))), out.dtype);
+  }
+  Value neg = b.Compare(x, ConstLike(b, x, 0), CompareDirection::kLT);
+  Value max_deriv = b.Select(neg, ConstLike(b, x, 1), ConstLike(b, x, 0));
+  Value sign = b.Select(neg, ConstLike(b, x, 1), ConstLike(b, x, -1));
+  Value r = b.Mul(b.Sub(max_deriv, b.Mul(sign, b.Div(z, b.Add(ConstLike(b, z, 1), z)))), g);
+  return {Out(b, r, out)};
+}
+
+// _prelu_kernel(self, weight): self > 0 ? self : weight * self (weight
+// broadcast to self's shape by the caller, prelu).
+std::vector<Value> LowerPreluKernel(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  RequireFloating(ctx, out.dtype);
+  at::ScalarType acc = Acc(out.dtype);
+  Value x = Prepare(b, ctx.tensor("self"), acc, out.sizes);
+  Value w = Prepare(b, ctx.tensor("weight"), acc, out.sizes);
+  Value pos = b.Compare(x, ConstLike(b, x, 0), CompareDirection::kGT);
+  return {Out(b, b.Select(pos, x, b.Mul(w, x)), out)};
+}
+
+// _prelu_kernel_backward -> (grad_self, grad_weight), both of the broadcast
+// shape (autograd sums grad_weight to weight's shape):
+// grad_self = x > 0 ? g : w * g, grad_weight = x > 0 ? 0 : x * g.
+std::vector<Value> LowerPreluKernelBackward(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& o0 = ctx.outputs[0];
+  const auto& o1 = ctx.outputs[1];
+  RequireFloating(ctx, o0.dtype);
+  at::ScalarType acc = Acc(o0.dtype);
+  std::vector<int64_t> shape = BroadcastShapes(o0.sizes, o1.sizes);
+  Value x = Prepare(b, ctx.tensor("self"), acc, shape);
+  Value w = Prepare(b, ctx.tensor("weight"), acc, shape);
+  Value g = Prepare(b, ctx.tensor("grad_output"), acc, shape);
+  Value pos = b.Compare(x, ConstLike(b, x, 0), CompareDirection::kGT);
+  Value gx = b.Select(pos, g, b.Mul(w, g));
+  Value gw = b.Select(pos, ConstLike(b, x, 0), b.Mul(x, g));
+  return {Out(b, gx, o0), Out(b, gw, o1)};
+}
+
+// binary_cross_entropy(self, target, weight, reduction): per element
+// (t - 1) * max(log1p(-x), -100) - t * max(log(x), -100), times weight, then
+// none/mean/sum. As the CPU kernel, bf16/f16 round after every operation
+// (c10::BFloat16 arithmetic) and the mean/sum accumulate in f32. CPU also
+// raises for inputs outside [0, 1]; here such inputs give NaN (log of a
+// negative) or finite garbage, with no error.
+std::vector<Value> LowerBinaryCrossEntropy(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  const at::ScalarType t = out.dtype;
+  RequireFloating(ctx, t);
+  at::ScalarType acc = Acc(t);
+  Value x0 = ctx.tensor("self");
+  const std::vector<int64_t> shape = x0.dims();
+  Value x = Cast(b, x0, acc);
+  Value y = Prepare(b, ctx.tensor("target"), acc, shape);
+  auto r = [&](const Value& v) { return RoundTo(b, v, t); };
+  Value floor = ConstLike(b, x, -100);
+  Value log1m = MaxPropagateNaN(b, r(b.Unary("stablehlo.log_plus_one", b.Neg(x))), floor);
+  Value logx = MaxPropagateNaN(b, r(b.Log(x)), floor);
+  Value loss = r(b.Sub(r(b.Mul(r(b.Sub(y, ConstLike(b, y, 1))), log1m)), r(b.Mul(y, logx))));
+  if (ctx.has("weight")) loss = r(b.Mul(loss, Prepare(b, ctx.tensor("weight"), acc, shape)));
+  const int64_t reduction = ctx.int_arg("reduction");
+  if (reduction == 0) return {Out(b, loss, out)};
+  auto dims = ReductionDims({}, loss.rank());
+  Value sum = ReduceSum(b, loss, dims, false);
+  if (reduction == 1) sum = b.Div(sum, ConstLike(b, sum, static_cast<double>(loss.type.numel())));
+  return {Out(b, sum, out)};
+}
+
+// binary_cross_entropy_backward: g * (x - t) / max((1 - x) * x, 1e-12),
+// times weight, divided by numel for mean (each step rounded as the CPU
+// kernel's scalar_t arithmetic).
+std::vector<Value> LowerBinaryCrossEntropyBackward(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  const at::ScalarType t = out.dtype;
+  RequireFloating(ctx, t);
+  at::ScalarType acc = Acc(t);
+  const std::vector<int64_t>& shape = out.sizes;
+  Value x = Prepare(b, ctx.tensor("self"), acc, shape);
+  Value y = Prepare(b, ctx.tensor("target"), acc, shape);
+  Value g = Prepare(b, ctx.tensor("grad_output"), acc, shape);
+  auto r = [&](const Value& v) { return RoundTo(b, v, t); };
+  Value denom = MaxPropagateNaN(b, r(b.Mul(r(b.Sub(ConstLike(b, x, 1), x)), x)), r(ConstLike(b, x, 1e-12)));
+  Value gi = r(b.Div(r(b.Mul(g, r(b.Sub(x, y)))), denom));
+  if (ctx.has("weight")) gi = r(b.Mul(gi, Prepare(b, ctx.tensor("weight"), acc, shape)));
+  if (ctx.int_arg("reduction") == 1) gi = b.Div(gi, ConstLike(b, gi, static_cast<double>(Numel(shape))));
+  return {Out(b, gi, out)};
+}
+
 }  // namespace
 
 TORCH_TPU_LOWERINGS({
@@ -574,6 +766,14 @@ TORCH_TPU_LOWERINGS({
     {"mse_loss", LowerMseLoss},
     {"mse_loss_backward", LowerMseLossBackward},
     {"embedding_dense_backward", LowerEmbeddingDenseBackward},
+    {"glu", LowerGlu},
+    {"glu_backward", LowerGluBackward},
+    {"log_sigmoid_forward", LowerLogSigmoidForward},
+    {"log_sigmoid_backward", LowerLogSigmoidBackward},
+    {"_prelu_kernel", LowerPreluKernel},
+    {"_prelu_kernel_backward", LowerPreluKernelBackward},
+    {"binary_cross_entropy", LowerBinaryCrossEntropy},
+    {"binary_cross_entropy_backward", LowerBinaryCrossEntropyBackward},
 });
 
 }  // namespace torch_tpu::lowering

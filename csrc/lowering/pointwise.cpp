@@ -207,23 +207,39 @@ Value FloorDivInt(Builder& b, const Value& x, const Value& y) {
 
 // PyTorch's floating floor division (c10 div_floor_floating): fmod-based
 // quotient, corrected toward -inf, rounded to the nearest integer, with x/0
-// giving +-inf/nan and a zero quotient keeping the sign of x/y.
-Value FloorDivFloat(Builder& b, const Value& x, const Value& y) {
+// giving +-inf/nan and a zero quotient keeping the sign of x/y. `round`
+// (bfloat16/half with a tensor divisor) rounds every intermediate to that
+// type, as the CPU kernel's c10::BFloat16 arithmetic does; fmod is exact.
+Value FloorDivFloat(Builder& b, const Value& x, const Value& y,
+                    std::optional<ElementType> round = std::nullopt) {
+  auto r = [&](const Value& v) { return round ? b.Convert(b.Convert(v, *round), v.element()) : v; };
   Value zero = ConstLike(b, x, 0), one = ConstLike(b, x, 1);
-  Value true_div = b.Div(x, y);
+  Value true_div = r(b.Div(x, y));
   Value mod = b.Rem(x, y);
-  Value div = b.Div(b.Sub(x, mod), y);
+  Value div = r(b.Div(r(b.Sub(x, mod)), y));
   Value adjust = b.And(Cmp(b, mod, zero, kNE), b.Xor(Cmp(b, y, zero, kLT), Cmp(b, mod, zero, kLT)));
-  div = b.Select(adjust, b.Sub(div, one), div);
+  div = b.Select(adjust, r(b.Sub(div, one)), div);
   Value fl = b.Floor(div);
-  fl = b.Select(Cmp(b, b.Sub(div, fl), ConstLike(b, x, 0.5), kGT), b.Add(fl, one), fl);
+  fl = b.Select(Cmp(b, r(b.Sub(div, fl)), ConstLike(b, x, 0.5), kGT), r(b.Add(fl, one)), fl);
   Value signed_zero = b.Mul(true_div, zero);
-  Value r = b.Select(Cmp(b, div, zero, kNE), fl, signed_zero);
-  return b.Select(Cmp(b, y, zero, kEQ), true_div, r);
+  Value res = b.Select(Cmp(b, div, zero, kNE), fl, signed_zero);
+  return b.Select(Cmp(b, y, zero, kEQ), true_div, res);
+}
+
+// bfloat16/half division with rounding: PyTorch's CPU kernels compute in
+// c10::BFloat16 arithmetic (each operation rounded to the dtype) unless the
+// divisor is a single value broadcast over the output (a Scalar, a 0-d or
+// one-element tensor: TensorIterator's is_scalar), which they read in float
+// and divide in float. Returns the element type to round to, if any.
+std::optional<ElementType> DivRounding(const LoweringContext& ctx, ScalarType common) {
+  if (common != at::kBFloat16 && common != at::kHalf) return std::nullopt;
+  const LoweredArg& other = ctx.arg("other");
+  if (other.kind == Kind::kScalar || other.value.type.numel() == 1) return std::nullopt;
+  return ToElementType(common);
 }
 
 Value FloorDiv(const Pw& p, const Value& x, const Value& y) {
-  if (IsFloat(p.compute)) return FloorDivFloat(p.b, x, y);
+  if (IsFloat(p.compute)) return FloorDivFloat(p.b, x, y, DivRounding(p.ctx, p.common));
   if (IsUnsigned(p.compute)) return p.b.Div(x, y);
   return FloorDivInt(p.b, x, y);
 }
@@ -240,6 +256,7 @@ std::vector<Value> LowerDiv(LoweringContext& ctx) {
   Value x = p.InExact("self"), y = p.InExact("other");
   if (mode == "trunc") {
     Value q = p.b.Div(x, y);
+    if (auto r = DivRounding(ctx, p.common)) q = p.b.Convert(p.b.Convert(q, *r), q.element());
     return {p.Done(IsFloat(p.compute) ? Trunc(p.b, q) : q)};
   }
   if (mode == "floor") return {p.Done(FloorDiv(p, x, y))};

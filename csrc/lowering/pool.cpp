@@ -4,7 +4,7 @@
 // adaptive_max_pool{2,3}d (+backward), upsample_nearest{1,2,3}d and
 // _upsample_nearest_exact{1,2,3}d (+backward), upsample_linear1d,
 // upsample_bilinear2d, upsample_trilinear3d, upsample_bicubic2d (+backward;
-// align_corners).
+// align_corners), max_unpool{2,3}d.
 //
 // The pooled dims are the trailing spatial dims; everything before them
 // (N, C or just C) is batch. Max pooling returns PyTorch's indices: flat
@@ -800,6 +800,77 @@ std::vector<Value> LowerUpsampleLinear1dBackward(LoweringContext& ctx) { return 
 std::vector<Value> LowerUpsampleBilinear2dBackward(LoweringContext& ctx) { return UpsampleLinearBackward(ctx, 2); }
 std::vector<Value> LowerUpsampleTrilinear3dBackward(LoweringContext& ctx) { return UpsampleLinearBackward(ctx, 3); }
 
+// ---------------------------------------------------------------------------
+// max_unpool2d / max_unpool3d: self and indices (N, C, *in) or (C, *in);
+// output (N, C, *output_size) zeros with out[n, c, indices[n, c, i]] =
+// self[n, c, i] per (N, C) plane, indices being flat offsets into the output
+// plane. Where several inputs name one output element PyTorch leaves the
+// winner unspecified (CPU's parallel loop keeps one of them); here the last
+// in input order wins, deterministically: the max input position is
+// scattered to each output element, then its value is gathered. Indices outside [0, prod(output_size)) are dropped here;
+// CPU raises "Found an invalid max index" (range checks for this op need an
+// index_checks kind bounded by an int-list product: see the issue notes).
+// Backward: autograd calls max_pool_double_backward = gather (index.cpp).
+
+std::vector<Value> MaxUnpool(LoweringContext& ctx, size_t nsp) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value x = ctx.tensor("self");
+  Value idx = ctx.tensor("indices");
+  const ElementType e = ToElementType(out.dtype);
+  if (!at::isFloatingType(out.dtype))  // CPU: "not implemented for 'Long'" (raised by the CPU path)
+    throw LoweringError(ctx.op_name() + ": floating point input expected");
+  if (x.rank() != static_cast<int64_t>(nsp) + 1 && x.rank() != static_cast<int64_t>(nsp) + 2)
+    throw LoweringError(ctx.op_name() + ": expected a " + std::to_string(nsp + 1) + "-d or " +
+                        std::to_string(nsp + 2) + "-d input");
+  if (idx.dims() != x.dims()) throw LoweringError(ctx.op_name() + ": indices must have the shape of self");
+  const size_t r = static_cast<size_t>(x.rank());
+  int64_t batch = 1, plane = 1;
+  for (size_t d = 0; d < r - nsp; ++d) batch *= x.dims()[d];
+  for (size_t d = r - nsp; d < r; ++d) plane *= x.dims()[d];
+  int64_t q = 1;
+  for (size_t d = out.sizes.size() - nsp; d < out.sizes.size(); ++d) q *= out.sizes[d];
+  if (Numel(out.sizes) == 0) return {Const(b, e, 0, out.sizes)};
+  if (batch * plane == 0) return {Const(b, e, 0, out.sizes)};
+  const std::vector<int64_t> bp{batch, plane};
+  Value xf = b.Reshape(Cast(b, x, out.dtype), bp);
+  Value i = b.Reshape(b.Convert(idx, ElementType::kS64), bp);
+  // Out-of-range indices go to a spare column q (sliced off).
+  Value valid = b.And(b.Compare(i, ConstLike(b, i, 0), CompareDirection::kGE),
+                      b.Compare(i, ConstLike(b, i, static_cast<double>(q)), CompareDirection::kLT));
+  Value target = b.Select(valid, i, ConstLike(b, i, static_cast<double>(q)));
+  const std::vector<int64_t> bp1{batch, plane, 1};
+  Value rows = b.Iota(TensorType{ElementType::kS64, bp1}, 0);
+  Value pairs[] = {rows, b.Reshape(target, bp1)};
+  Value where = b.Concatenate(pairs, 2);  // (B, P, 2)
+  Value pos = b.Iota(TensorType{ElementType::kS64, bp}, 1);
+  hlo::ScatterDims s;
+  s.inserted_window_dims = {0, 1};
+  s.scatter_dims_to_operand_dims = {0, 1};
+  s.index_vector_dim = 2;
+  const std::vector<int64_t> bq1{batch, q + 1};
+  Value winner = b.Scatter(Const(b, ElementType::kS64, -1, bq1), where, pos, s,
+                           [](Builder& bb, std::span<const Value> a) { return std::vector<Value>{bb.Max(a[0], a[1])}; });
+  const std::vector<int64_t> start{0, 0}, limit{batch, q}, step{1, 1};
+  winner = b.Slice(winner, start, limit, step);  // (B, Q)
+  const std::vector<int64_t> bq{batch, q}, bqc{batch, q, 1};
+  Value has = b.Compare(winner, ConstLike(b, winner, 0), CompareDirection::kGE);
+  Value src = b.Select(has, winner, ConstLike(b, winner, 0));
+  Value grows = b.Iota(TensorType{ElementType::kS64, bqc}, 0);
+  Value gpairs[] = {grows, b.Reshape(src, bqc)};
+  hlo::GatherDims g;
+  g.collapsed_slice_dims = {0, 1};
+  g.start_index_map = {0, 1};
+  g.index_vector_dim = 2;
+  const int64_t ss[] = {1, 1};
+  Value vals = b.Gather(xf, b.Concatenate(gpairs, 2), g, ss, TensorType{e, bq});
+  Value res = b.Select(has, vals, Const(b, e, 0, bq));
+  return {b.Reshape(res, out.sizes)};
+}
+
+std::vector<Value> LowerMaxUnpool2d(LoweringContext& ctx) { return MaxUnpool(ctx, 2); }
+std::vector<Value> LowerMaxUnpool3d(LoweringContext& ctx) { return MaxUnpool(ctx, 3); }
+
 }  // namespace
 
 TORCH_TPU_LOWERINGS({
@@ -839,6 +910,8 @@ TORCH_TPU_LOWERINGS({
     {"upsample_trilinear3d_backward", LowerUpsampleTrilinear3dBackward},
     {"upsample_bicubic2d", LowerUpsampleBicubic2d},
     {"upsample_bicubic2d_backward", LowerUpsampleBicubic2dBackward},
+    {"max_unpool2d", LowerMaxUnpool2d},
+    {"max_unpool3d", LowerMaxUnpool3d},
 });
 
 }  // namespace torch_tpu::lowering

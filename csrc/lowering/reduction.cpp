@@ -1,4 +1,4 @@
-// Reductions: sum, mean, prod, amax/amin, max/min (full and .dim with
+// Reductions: sum, mean, prod, amax/amin, aminmax, max/min (full and .dim with
 // indices), argmax/argmin, any/all, var/std (+_mean), cumsum/cumprod,
 // logsumexp, linalg_vector_norm and norm.
 //
@@ -195,6 +195,17 @@ std::vector<Value> LowerAmin(LoweringContext& ctx) {
   return {Fit(ctx.b, Cast(ctx.b, ExtremeReduce(ctx.b, x, DimsOf(ctx, x), false), out.dtype), out.sizes)};
 }
 
+// aminmax(self, dim=None, keepdim=False) -> (min, max): NaN-propagating
+// extremes over `dim` (all dims when None; keepdim shapes come from meta).
+std::vector<Value> LowerAminmax(LoweringContext& ctx) {
+  Value x = ctx.tensor("self");
+  auto dims = DimsOf(ctx, x);
+  const auto& lo = ctx.outputs[0];
+  const auto& hi = ctx.outputs[1];
+  return {Fit(ctx.b, Cast(ctx.b, ExtremeReduce(ctx.b, x, dims, false), lo.dtype), lo.sizes),
+          Fit(ctx.b, Cast(ctx.b, ExtremeReduce(ctx.b, x, dims, true), hi.dtype), hi.sizes)};
+}
+
 std::vector<Value> LowerArg(LoweringContext& ctx, bool is_max) {
   auto& b = ctx.b;
   Value x = ctx.tensor("self");
@@ -355,6 +366,7 @@ TORCH_TPU_LOWERINGS({
     {"prod", LowerProd},
     {"amax", LowerAmax},
     {"amin", LowerAmin},
+    {"aminmax", LowerAminmax},
     {"max", LowerMax},
     {"min", LowerMin},
     {"argmax", LowerArgmax},

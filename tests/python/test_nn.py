@@ -371,3 +371,109 @@ def test_tiny_encoder_training_step_matches_cpu():
         torch.testing.assert_close(loss_t.cpu(), loss.detach())
     for (name, p), p_t in zip(model.named_parameters(), model_t.parameters()):
         torch.testing.assert_close(p_t.grad.cpu(), p.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+# --- glu, logsigmoid, prelu, binary_cross_entropy (issue 3) -------------------
+# Any CPU fallback fails these tests (conftest.no_cpu_fallback); float32
+# gradients use rtol=1e-5 atol=5e-5 (backward chains several ops).
+
+from conftest import no_cpu_fallback  # noqa: E402
+
+GRAD_TOL = dict(rtol=1e-5, atol=5e-5)
+
+
+def _both_with_grads(fn, args, dtype, grad_tol=None, grad_args=None):
+    """fn on CPU and tpu copies of args (floating args, or those at the
+    positions grad_args, require grad); compares outputs and, for float32, the
+    input gradients for fixed output grads."""
+    want_grad = dtype == torch.float32
+    cpu_args = [a.to(dtype).clone().requires_grad_(want_grad and (grad_args is None or i in grad_args))
+                if isinstance(a, torch.Tensor) and a.is_floating_point() else a for i, a in enumerate(args)]
+    tpu_args = [tpu(a.detach()).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                for a in cpu_args]
+    out_c = fn(*cpu_args)
+    with no_cpu_fallback():
+        out_t = fn(*tpu_args)
+    check(out_t, out_c.detach())
+    if want_grad:
+        g = torch.randn(out_c.shape, generator=torch.Generator().manual_seed(5))
+        leaves_c = [a for a in cpu_args if isinstance(a, torch.Tensor) and a.requires_grad]
+        leaves_t = [a for a in tpu_args if isinstance(a, torch.Tensor) and a.requires_grad]
+        gc = torch.autograd.grad(out_c, leaves_c, g)
+        with no_cpu_fallback():
+            gt = torch.autograd.grad(out_t, leaves_t, tpu(g))
+        for a, e in zip(gt, gc):
+            check(a, e, **(grad_tol or GRAD_TOL))
+
+
+def _rand(shape, seed=0, scale=1.0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [-1, 0, 1])
+def test_glu(dtype, dim):
+    _both_with_grads(lambda x: F.glu(x, dim), [_rand((4, 6, 8), scale=3)], dtype)
+
+
+def test_glu_out_and_errors():
+    x = _rand((4, 6))
+    out = torch.empty(4, 3, device=TPU)
+    with no_cpu_fallback():
+        torch._C._nn.glu(tpu(x), -1, out=out)
+    check(out, F.glu(x))
+    with pytest.raises(RuntimeError, match="even"):
+        F.glu(tpu(_rand((4, 5))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logsigmoid(dtype):
+    x = _rand((5, 7), scale=10)
+    x[0, :4] = torch.tensor([0.0, 100.0, -100.0, -30.0])
+    _both_with_grads(F.logsigmoid, [x], dtype)
+
+
+def test_logsigmoid_forward_buffer_and_inplace_module():
+    x = _rand((3, 4), scale=4)
+    out_c, buf_c = torch.ops.aten.log_sigmoid_forward(x)
+    with no_cpu_fallback():
+        out_t, buf_t = torch.ops.aten.log_sigmoid_forward(tpu(x))
+    check(out_t, out_c)
+    check(buf_t, buf_c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wshape", [(1,), (6,)])
+def test_prelu(dtype, wshape):
+    w = torch.rand(wshape, generator=torch.Generator().manual_seed(3)) * 0.5
+    _both_with_grads(F.prelu, [_rand((4, 6, 5), scale=2), w], dtype)
+
+
+def test_prelu_unbatched_scalar_input():
+    _both_with_grads(F.prelu, [_rand((6,)), torch.tensor([0.25])], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_binary_cross_entropy(dtype, reduction, weighted):
+    g = torch.Generator().manual_seed(7)
+    p = torch.rand(4, 6, generator=g).clamp(0.02, 0.98)
+    p[0, :2] = torch.tensor([0.0, 1.0])  # log clamped at -100
+    y = torch.rand(4, 6, generator=g)
+    w = torch.rand(4, 6, generator=g)
+    args = [p, y] + ([w] if weighted else [])
+    fn = (lambda p, y, w: F.binary_cross_entropy(p, y, w, reduction=reduction)) if weighted else \
+        (lambda p, y: F.binary_cross_entropy(p, y, reduction=reduction))
+    # gradient w.r.t. p at p in {0, 1} divides by max(p (1 - p), 1e-12): huge
+    # but equal values; relative tolerance covers them.
+    _both_with_grads(fn, args, dtype, grad_args={0, 1})
+
+
+def test_binary_cross_entropy_out():
+    p = torch.rand(5).clamp(0.1, 0.9)
+    y = torch.rand(5)
+    out = torch.empty((), device=TPU)
+    with no_cpu_fallback():
+        torch._C._nn.binary_cross_entropy(tpu(p), tpu(y), None, 2, out=out)
+    check(out, F.binary_cross_entropy(p, y, reduction="sum"))

@@ -690,3 +690,32 @@ def test_transformer_block_pointwise_pattern():
     with no_fallback():
         block(xl.to(TPU), w.to(TPU)).backward(torch.ones(4, 8, device=TPU))
     torch.testing.assert_close(xl.grad, xr.grad)
+
+
+# --- bfloat16/half division with rounding (issue 3) --------------------------------
+# CPU computes a bfloat16 trunc/floor division in c10::BFloat16 arithmetic
+# (the quotient rounded to bfloat16 before truncating: -3.890625 / -0.216796875
+# = 17.94 -> 18 -> 18) unless the divisor is a single broadcast value, which
+# it reads and divides in float. Compared exactly.
+
+
+@pytest.mark.parametrize("mode", ["trunc", "floor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_div_rounding_low_precision_exact(mode, dtype):
+    g = torch.Generator().manual_seed(11)
+    a = (torch.randn(4000, generator=g) * 10).to(dtype)
+    b = torch.randn(4000, generator=g).to(dtype)
+    b[:5] = 0
+    a[:2] = torch.tensor([-3.890625, 0.0])
+    b[5:7] = torch.tensor([-0.216796875, -2.0])
+    for other in [b, b[5:6], b[5].reshape(()), 0.37, -2]:
+        expected = torch.div(a, other, rounding_mode=mode)
+        with no_fallback():
+            actual = torch.div(tpu(a), tpu(other) if isinstance(other, torch.Tensor) and other.dim() else other,
+                               rounding_mode=mode)
+        check(actual, expected, atol=0, rtol=0)
+    with no_fallback():
+        check(torch.floor_divide(tpu(a), tpu(b)), torch.floor_divide(a, b), atol=0, rtol=0)
+        x = tpu(a.clone())
+        x.div_(tpu(b), rounding_mode=mode)
+    check(x, torch.div(a, b, rounding_mode=mode), atol=0, rtol=0)

@@ -279,3 +279,83 @@ def test_upsample_out_variant():
     with no_fallback():
         torch.ops.aten.upsample_bilinear2d.out(tpu(x), [7, 9], False, out=out)
     check(out, expected)
+
+
+# --- max_unpool2d / max_unpool3d (issue 3) ---------------------------------------
+
+from conftest import no_cpu_fallback  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("batched", [True, False])
+def test_max_unpool2d(dtype, batched):
+    x = make((2, 3, 8, 8) if batched else (3, 8, 8))
+    v, i = F.max_pool2d(x, 2, return_indices=True)
+    v = v.to(dtype)
+    for size in [None, (8, 8), (9, 9)]:
+        expected = F.max_unpool2d(v, i, 2, output_size=size)
+        with no_cpu_fallback():
+            actual = F.max_unpool2d(tpu(v), tpu(i), 2, output_size=size)
+        check(actual, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_max_unpool3d_and_1d(dtype):
+    x = make((2, 2, 4, 6, 5))
+    v, i = F.max_pool3d(x, 2, stride=(2, 2, 1), return_indices=True)
+    v = v.to(dtype)
+    expected = F.max_unpool3d(v, i, 2, stride=(2, 2, 1))
+    with no_cpu_fallback():
+        actual = F.max_unpool3d(tpu(v), tpu(i), 2, stride=(2, 2, 1))
+    check(actual, expected, atol=0, rtol=0)
+    x1 = make((2, 3, 9))
+    v1, i1 = F.max_pool1d(x1, 3, return_indices=True)
+    with no_cpu_fallback():
+        check(F.max_unpool1d(tpu(v1.to(dtype)), tpu(i1), 3), F.max_unpool1d(v1.to(dtype), i1, 3), atol=0, rtol=0)
+
+
+def test_max_unpool_duplicate_indices_pick_one_written_value():
+    # Several inputs naming one output element: PyTorch leaves the winner
+    # unspecified (CPU's parallel loop keeps one of them); tpu keeps the last
+    # in input order, deterministically. Elements nobody names are 0.
+    v = torch.tensor([[[[1.0, 2.0, 3.0, 4.0, 5.0]]]])
+    i = torch.tensor([[[[0, 0, 3, 3, 0]]]])
+    with no_cpu_fallback():
+        actual = F.max_unpool2d(tpu(v), tpu(i), (1, 2), output_size=(1, 10)).cpu()
+    expected = torch.zeros(1, 1, 1, 10)
+    expected[..., 0], expected[..., 3] = 5.0, 4.0
+    torch.testing.assert_close(actual, expected, atol=0, rtol=0)
+    cpu = F.max_unpool2d(v, i, (1, 2), output_size=(1, 10))
+    assert cpu[..., 0].item() in (1.0, 2.0, 5.0) and cpu[..., 3].item() in (3.0, 4.0)
+
+
+def test_max_unpool_out_and_backward():
+    x = make((1, 2, 6, 6))
+    v, i = F.max_pool2d(x, 2, return_indices=True)
+    out = torch.empty(1, 2, 6, 6, device=TPU)
+    with no_cpu_fallback():
+        torch._C._nn.max_unpool2d(tpu(v), tpu(i), [6, 6], out=out)
+    check(out, F.max_unpool2d(v, i, 2), atol=0, rtol=0)
+    vc = v.clone().requires_grad_()
+    vt = tpu(v).requires_grad_()
+    g = make((1, 2, 6, 6), seed=3)
+    F.max_unpool2d(vc, i, 2).backward(g)
+    with no_cpu_fallback():
+        F.max_unpool2d(vt, tpu(i), 2).backward(tpu(g))
+    check(vt.grad, vc.grad, atol=0, rtol=0)
+    v3, i3 = F.max_pool3d(make((1, 1, 4, 4, 4)), 2, return_indices=True)
+    vc, vt = v3.clone().requires_grad_(), tpu(v3).requires_grad_()
+    g3 = make((1, 1, 4, 4, 4), seed=4)
+    F.max_unpool3d(vc, i3, 2).backward(g3)
+    with no_cpu_fallback():
+        F.max_unpool3d(vt, tpu(i3), 2).backward(tpu(g3))
+    check(vt.grad, vc.grad, atol=0, rtol=0)
+
+
+def test_max_unpool_integer_input_raises_like_cpu():
+    v = torch.ones(1, 1, 2, 2, dtype=torch.long)
+    i = torch.zeros(1, 1, 2, 2, dtype=torch.long)
+    with pytest.raises(NotImplementedError, match="Long"):
+        F.max_unpool2d(v, i, 2)
+    with pytest.raises(NotImplementedError, match="Long"):
+        F.max_unpool2d(tpu(v), tpu(i), 2)

@@ -380,3 +380,41 @@ def test_backward(fn):
         loss = fn(xt)
         loss.backward()
     check(xt.grad, xc.grad)
+
+
+# --- aminmax (issue 3) -----------------------------------------------------------
+
+from conftest import no_cpu_fallback  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+@pytest.mark.parametrize("kw", [{}, {"dim": 1}, {"dim": -1, "keepdim": True}, {"keepdim": True}, {"dim": 0}])
+def test_aminmax(dtype, kw):
+    x = (torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(1)) * 5).to(dtype)
+    expected = torch.aminmax(x, **kw)
+    with no_cpu_fallback():
+        actual = torch.aminmax(x.to("tpu"), **kw)
+    for a, e in zip(actual, expected):
+        assert a.device.type == "tpu"
+        torch.testing.assert_close(a.cpu(), e, atol=0, rtol=0)
+
+
+def test_aminmax_nan_0d_and_out():
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
+    x[1, 2] = float("nan")
+    for kw in [{}, {"dim": 1}, {"dim": 0, "keepdim": True}]:
+        expected = torch.aminmax(x, **kw)
+        with no_cpu_fallback():
+            actual = torch.aminmax(x.to("tpu"), **kw)
+        for a, e in zip(actual, expected):
+            torch.testing.assert_close(a.cpu(), e, atol=0, rtol=0, equal_nan=True)
+    s = torch.tensor(3.5)
+    with no_cpu_fallback():
+        lo, hi = torch.aminmax(s.to("tpu"))
+    assert lo.cpu().item() == 3.5 and hi.cpu().item() == 3.5
+    mn, mx = torch.empty(4, device="tpu"), torch.empty(4, device="tpu")
+    with no_cpu_fallback():
+        torch.aminmax(x.to("tpu"), dim=0, out=(mn, mx))
+    e = torch.aminmax(x, dim=0)
+    torch.testing.assert_close(mn.cpu(), e.min, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(mx.cpu(), e.max, atol=0, rtol=0, equal_nan=True)

@@ -1,0 +1,102 @@
+"""Factory lowerings (csrc/lowering/factory.cpp) against CPU PyTorch:
+linspace and logspace, every overload (Scalar and 0-d Tensor start/end,
+out=). Values must equal CPU's exactly for every dtype (the lowering
+follows the CPU kernels' formulas, roundings, fused multiply-adds and
+truncations), so all comparisons are exact. A CPU fallback of any op fails the test (conftest.no_cpu_fallback).
+"""
+import pytest
+import torch
+import torch_tpu  # noqa: F401
+
+from conftest import no_cpu_fallback
+
+TPU = torch.device("tpu")
+DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float64, torch.int32, torch.float16]
+
+
+def check_exact(actual, expected):
+    assert actual.device.type == "tpu", actual.device
+    actual = actual.cpu()
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert torch.equal(actual, expected), (actual, expected)
+
+
+LIN_CASES = [(-2.0, -3, 50), (4.3, 50, 50), (0, 7, 50), (50, 1, 50), (-7, 7.7, 101), (0.1, -1e4, 1001),
+             (1, 3, 1), (2.5, 3, 0), (3, 3, 5), (-2.0, 4, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("start,end,steps", LIN_CASES)
+def test_linspace_scalar(start, end, steps, dtype):
+    expected = torch.linspace(start, end, steps, dtype=dtype)
+    with no_cpu_fallback():
+        check_exact(torch.linspace(start, end, steps, dtype=dtype, device=TPU), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("start,end,steps", LIN_CASES)
+def test_linspace_tensor_overloads(start, end, steps, dtype):
+    st = torch.tensor(start, dtype=torch.float32 if isinstance(start, float) else torch.int64)
+    en = torch.tensor(end, dtype=torch.float32 if isinstance(end, float) else torch.int64)
+    for s, e in [(st, en), (st, end), (start, en)]:
+        expected = torch.linspace(s, e, steps, dtype=dtype)
+        with no_cpu_fallback():
+            # CPU 0-d start/end (as the OpInfo samples pass them) and tpu 0-d tensors
+            check_exact(torch.linspace(s, e, steps, dtype=dtype, device=TPU), expected)
+            s_t = s.to(TPU) if isinstance(s, torch.Tensor) else s
+            e_t = e.to(TPU) if isinstance(e, torch.Tensor) else e
+            check_exact(torch.linspace(s_t, e_t, steps, dtype=dtype, device=TPU), expected)
+
+
+def test_linspace_default_dtype_and_out():
+    check_exact(torch.linspace(0, 1, 7, device=TPU), torch.linspace(0, 1, 7))
+    for dtype in [torch.float32, torch.bfloat16, torch.int64]:
+        out = torch.empty(13, dtype=dtype, device=TPU)
+        with no_cpu_fallback():
+            r = torch.linspace(-3.5, 9, 13, out=out)
+        assert r is out
+        check_exact(out, torch.linspace(-3.5, 9, 13, dtype=dtype))
+        out = torch.empty(13, dtype=dtype, device=TPU)
+        with no_cpu_fallback():
+            torch.linspace(torch.tensor(-3.5), torch.tensor(9.0), 13, out=out)
+        check_exact(out, torch.linspace(-3.5, 9, 13, dtype=dtype))
+
+
+def test_linspace_errors_like_cpu():
+    with pytest.raises(RuntimeError, match="non-negative"):
+        torch.linspace(0, 1, -1, device=TPU)
+    with pytest.raises(RuntimeError, match="0-dimensional"):
+        torch.linspace(torch.tensor([0.0, 1.0], device=TPU), 1, 3, device=TPU)
+
+
+LOG_CASES = [(-2.0, -3, 4, 10.0), (0, 1.2, 9, 2.0), (1, 4, 4, 3.0), (2, 2, 2, 1.1), (4.3, 0, 9, 5.0),
+             (2.5, 3, 1, 10.0), (0, 3, 1, 2.0), (1, 3, 0, 2.0), (-1.5, 2.5, 33, 2.0)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("start,end,steps,base", LOG_CASES)
+def test_logspace_scalar(start, end, steps, base, dtype):
+    expected = torch.logspace(start, end, steps, base, dtype=dtype)
+    with no_cpu_fallback():
+        check_exact(torch.logspace(start, end, steps, base, dtype=dtype, device=TPU), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("start,end,steps,base", LOG_CASES)
+def test_logspace_tensor_overloads_and_out(start, end, steps, base, dtype):
+    st = torch.tensor(start, dtype=torch.float32 if isinstance(start, float) else torch.int64)
+    en = torch.tensor(end, dtype=torch.float32 if isinstance(end, float) else torch.int64)
+    for s, e in [(st, en), (st, end), (start, en)]:
+        expected = torch.logspace(s, e, steps, base, dtype=dtype)
+        with no_cpu_fallback():
+            check_exact(torch.logspace(s, e, steps, base, dtype=dtype, device=TPU), expected)
+    out = torch.empty(steps, dtype=dtype, device=TPU)
+    with no_cpu_fallback():
+        torch.logspace(start, end, steps, base, out=out)
+    check_exact(out, torch.logspace(start, end, steps, base, dtype=dtype))
+
+
+def test_logspace_default_base():
+    with no_cpu_fallback():
+        check_exact(torch.logspace(-1, 2, 7, device=TPU), torch.logspace(-1, 2, 7))
