@@ -1,7 +1,10 @@
 // Indexing and data movement: index_select, embedding, gather, scatter
 // (+_add, _reduce), index (advanced indexing), index_put, index_add,
-// index_copy, masked_scatter, cat, stack, constant_pad_nd, flip, roll,
-// repeat, tril/triu, arange, full, eye, sort, topk.
+// index_copy, index_reduce, index_fill, masked_scatter, nonzero_static,
+// segment_reduce (+ backward), histc, cat, stack, constant_pad_nd, flip,
+// roll, repeat, tril/triu, arange, full, eye, sort, topk. (Ops whose output
+// shape depends on values — nonzero, masked_select, unique — are kernels in
+// csrc/aten/dynamic_shape_kernels.cpp built on these lowerings.)
 //
 // StableHLO gather clamps and scatter drops out-of-range indices; PyTorch
 // raises on them (and wraps negative ones in advanced indexing). Negative
@@ -147,6 +150,11 @@ Value Extreme(Builder& b, ElementType e, bool highest, std::span<const int64_t> 
 
 // scatter / scatter_add / scatter_reduce: reduce is "" (replace), "add",
 // "multiply", or scatter_reduce's "sum", "prod", "mean", "amax", "amin".
+// `self` (rank >= 1) and `updates` have the out dtype; `idx` (wrapped, s64)
+// has the updates' shape. Shared with index_reduce.
+Value ScatterReduceCore(LoweringContext& ctx, Value self, int64_t dim, const Value& idx, const Value& updates,
+                        const std::string& reduce, bool include_self, at::ScalarType t);
+
 std::vector<Value> ScatterAlongDim(LoweringContext& ctx, std::string reduce, bool include_self) {
   auto& b = ctx.b;
   const auto& out = ctx.outputs[0];
@@ -169,6 +177,15 @@ std::vector<Value> ScatterAlongDim(LoweringContext& ctx, std::string reduce, boo
   } else {
     updates = Prepare(b, ctx.value("value"), t, idx.dims());
   }
+  Value result = ScatterReduceCore(ctx, self, dim, idx, updates, reduce, include_self, t);
+  if (scalar_self) result = b.Reshape(result, std::vector<int64_t>{});
+  return {Out(b, result, out)};
+}
+
+Value ScatterReduceCore(LoweringContext& ctx, Value self, int64_t dim, const Value& idx, const Value& updates,
+                        const std::string& reduce, bool include_self, at::ScalarType t) {
+  auto& b = ctx.b;
+  const int64_t r = self.rank();
   Value coords = AlongDimCoordinates(b, idx, dim, r);
   hlo::ScatterDims s;
   s.inserted_window_dims = Iota(0, r);
@@ -232,8 +249,7 @@ std::vector<Value> ScatterAlongDim(LoweringContext& ctx, std::string reduce, boo
     }
     result = b.Select(touched, mean, self);
   }
-  if (scalar_self) result = b.Reshape(result, std::vector<int64_t>{});
-  return {Out(b, result, out)};
+  return result;
 }
 
 std::vector<Value> LowerScatter(LoweringContext& ctx) {
@@ -282,6 +298,363 @@ std::vector<Value> IndexAlongDim(LoweringContext& ctx, bool add) {
 }
 std::vector<Value> LowerIndexAdd(LoweringContext& ctx) { return IndexAlongDim(ctx, true); }
 std::vector<Value> LowerIndexCopy(LoweringContext& ctx) { return IndexAlongDim(ctx, false); }
+
+// index_reduce(self, dim, index, source, reduce, include_self): the rows of
+// `source` along dim (index.numel() of them) are reduced ("prod", "mean",
+// "amax", "amin") into self's rows index[i]; as scatter_reduce with the
+// index broadcast over the other dims (mean: integer results floor-divide,
+// as on CPU). Index values must lie in [0, size) (checked: index_checks).
+std::vector<Value> LowerIndexReduce(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  at::ScalarType t = out.dtype;
+  Value self = Cast(b, ctx.tensor("self"), t);
+  Value index = ctx.tensor("index");
+  const int64_t k = index.type.numel();
+  if (k == 0) return {Out(b, self, out)};
+  const bool scalar_self = self.rank() == 0;
+  if (scalar_self) self = b.Reshape(self, std::vector<int64_t>{1});
+  const int64_t dim = NormalizeDim(ctx.int_arg("dim"), self.rank());
+  std::vector<int64_t> udims = self.dims();
+  udims[static_cast<size_t>(dim)] = k;
+  Value src = Fit(b, Cast(b, ctx.tensor("source"), t), udims);
+  Value idx1 = WrapIndex(b, b.Reshape(index, std::vector<int64_t>{k}), self.dims()[static_cast<size_t>(dim)]);
+  Value idx = b.BroadcastInDim(idx1, udims, std::vector<int64_t>{dim});
+  const bool include_self = !ctx.find("include_self") || ctx.bool_arg("include_self");
+  Value r = ScatterReduceCore(ctx, self, dim, idx, src, std::string(ctx.string_arg("reduce")), include_self, t);
+  if (scalar_self) r = b.Reshape(r, std::vector<int64_t>{});
+  return {Out(b, r, out)};
+}
+
+// index_fill(self, dim, index, value): self with the slices index[i] along
+// dim set to `value` (a Scalar or 0-d tensor). Negative indices wrap; values
+// outside [-size, size) are reported (index_checks), as on CPU.
+std::vector<Value> LowerIndexFill(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  at::ScalarType t = out.dtype;
+  Value self = Fit(b, Cast(b, ctx.tensor("self"), t), out.sizes);
+  Value index = ctx.tensor("index");
+  const int64_t k = index.type.numel();
+  if (k == 0 || Numel(out.sizes) == 0) return {self};
+  const bool scalar_self = self.rank() == 0;
+  if (scalar_self) self = b.Reshape(self, std::vector<int64_t>{1});
+  const int64_t dim = NormalizeDim(ctx.int_arg("dim"), self.rank());
+  const int64_t n = self.dims()[static_cast<size_t>(dim)];
+  Value idx = WrapIndex(b, b.Reshape(index, std::vector<int64_t>{k, 1}), n);
+  hlo::ScatterDims s;
+  s.inserted_window_dims = {0};
+  s.scatter_dims_to_operand_dims = {0};
+  s.index_vector_dim = 1;
+  Value hit = b.Scatter(Const(b, ElementType::kPred, 0, std::vector<int64_t>{n}), idx,
+                        Const(b, ElementType::kPred, 1, std::vector<int64_t>{k}), s,
+                        [](Builder&, std::span<const Value> a) { return std::vector<Value>{a[1]}; });
+  Value mask = b.BroadcastInDim(hit, self.dims(), std::vector<int64_t>{dim});
+  Value v = Prepare(b, ctx.value("value"), t, self.dims());
+  Value r = b.Select(mask, v, self);
+  if (scalar_self) r = b.Reshape(r, std::vector<int64_t>{});
+  return {Out(b, r, out)};
+}
+
+// Inclusive prefix sum of a rank-1 value (Hillis-Steele: ceil(log2 n)
+// shifted adds).
+Value PrefixSum1D(Builder& b, Value pos) {
+  const int64_t n = pos.dims()[0];
+  for (int64_t k = 1; k < n; k *= 2) {
+    int64_t st[] = {0}, li[] = {n - k}, sr[] = {1}, lo[] = {k}, hi[] = {0}, in[] = {0};
+    Value head = b.Slice(pos, st, li, sr);
+    pos = b.Add(pos, b.Pad(head, Const(b, pos.element(), 0), lo, hi, in));
+  }
+  return pos;
+}
+
+// Inclusive prefix sum along the last dim of a rank-2 value.
+Value PrefixSumRows(Builder& b, Value pos) {
+  const int64_t rows = pos.dims()[0], n = pos.dims()[1];
+  for (int64_t k = 1; k < n; k *= 2) {
+    int64_t st[] = {0, 0}, li[] = {rows, n - k}, sr[] = {1, 1}, lo[] = {0, k}, hi[] = {0, 0}, in[] = {0, 0};
+    Value head = b.Slice(pos, st, li, sr);
+    pos = b.Add(pos, b.Pad(head, Const(b, pos.element(), 0), lo, hi, in));
+  }
+  return pos;
+}
+
+// --- segment reductions ------------------------------------------------------
+// segment_reduce(data, reduce, lengths?, indices?, offsets?, axis, unsafe,
+// initial?) and _segment_reduce_backward(grad, output, data, reduce,
+// lengths?, offsets?, axis, initial?), as PyTorch's CPU kernels
+// (aten/src/ATen/native/SegmentReduce.cpp). lengths (or offsets, lengths =
+// offsets[..., 1:] - offsets[..., :-1]) has shape data.shape[:axis] + [S]
+// (axis = lengths.dim() - 1); the output is data's shape with size S at
+// axis. Empty segments give `initial`, else 0 (sum), 1 (prod), -inf (max),
+// inf (min), NaN (mean); max/min propagate NaN; mean = (initial + sum) /
+// length. Floating data only. Not reproduced: the !unsafe checks (negative
+// lengths, lengths not summing to data.size(axis)), which need a host sync.
+struct Segments {
+  int64_t outer = 1, len = 0, inner = 1, count = 0;
+  Value seg;      // s64 [outer, len]: the segment of each position along axis
+  Value lengths;  // s64 [outer, count]
+};
+
+Segments SegmentsOf(LoweringContext& ctx, const Value& data) {
+  auto& b = ctx.b;
+  Value lengths;
+  if (ctx.has("lengths")) {
+    lengths = CastElement(b, ctx.tensor("lengths"), ElementType::kS64);
+  } else if (ctx.has("offsets")) {
+    Value off = CastElement(b, ctx.tensor("offsets"), ElementType::kS64);
+    const size_t r = static_cast<size_t>(off.rank());
+    std::vector<int64_t> st(r, 0), li = off.dims(), sr(r, 1);
+    st[r - 1] = 1;
+    Value hi = b.Slice(off, st, li, sr);
+    st[r - 1] = 0;
+    li[r - 1] -= 1;
+    lengths = b.Sub(hi, b.Slice(off, st, li, sr));
+  } else {
+    throw LoweringError(ctx.op_name() + ": either lengths or offsets must be given");
+  }
+  const int64_t axis = lengths.rank() - 1;
+  if (ctx.has("axis") && NormalizeDim(ctx.int_arg("axis"), data.rank()) != axis)
+    throw LoweringError(ctx.op_name() + ": axis must be the last dimension of lengths");
+  Segments sg;
+  for (int64_t d = 0; d < data.rank(); ++d) {
+    const int64_t sz = data.dims()[static_cast<size_t>(d)];
+    if (d < axis) sg.outer *= sz;
+    else if (d == axis) sg.len = sz;
+    else sg.inner *= sz;
+  }
+  sg.count = lengths.dims().back();
+  sg.lengths = b.Reshape(lengths, std::vector<int64_t>{sg.outer, sg.count});
+  // marks[o, e] = number of segments ending at position e; its prefix sum is
+  // the number of segments ended at or before j, i.e. j's segment.
+  std::vector<int64_t> os{sg.outer, sg.count, 1};
+  Value ends = b.Reshape(PrefixSumRows(b, sg.lengths), os);
+  Value rows = b.Iota(TensorType{ElementType::kS64, os}, 0);
+  Value coords_parts[] = {rows, ends};
+  hlo::ScatterDims s;
+  s.inserted_window_dims = {0, 1};
+  s.scatter_dims_to_operand_dims = {0, 1};
+  s.index_vector_dim = 2;
+  Value marks = b.Scatter(Const(b, ElementType::kS64, 0, std::vector<int64_t>{sg.outer, sg.len}),
+                          b.Concatenate(coords_parts, 2), Const(b, ElementType::kS64, 1, std::vector<int64_t>{sg.outer, sg.count}), s,
+                          [](Builder& bb, std::span<const Value> a) { return std::vector<Value>{bb.Add(a[0], a[1])}; });
+  sg.seg = PrefixSumRows(b, marks);
+  return sg;
+}
+
+// (o, seg(o, j)) coordinates: s64 [outer, len, 2].
+Value SegmentCoords(Builder& b, const Segments& sg) {
+  std::vector<int64_t> s3{sg.outer, sg.len, 1};
+  Value parts[] = {b.Iota(TensorType{ElementType::kS64, s3}, 0), b.Reshape(sg.seg, s3)};
+  return b.Concatenate(parts, 2);
+}
+
+hlo::ScatterDims SegmentScatterDims() {
+  hlo::ScatterDims s;
+  s.update_window_dims = {2};
+  s.inserted_window_dims = {0, 1};
+  s.scatter_dims_to_operand_dims = {0, 1};
+  s.index_vector_dim = 2;
+  return s;
+}
+
+std::vector<Value> LowerSegmentReduce(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value data = ctx.tensor("data");
+  if (!hlo::IsFloating(data.element())) throw LoweringError(ctx.op_name() + ": floating data only");
+  const std::string reduce(ctx.string_arg("reduce"));
+  Segments sg = SegmentsOf(ctx, data);
+  const ElementType e = data.element();
+  std::vector<int64_t> o3{sg.outer, sg.count, sg.inner};
+  if (Numel(o3) == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  const bool has_initial = ctx.has("initial");
+  double dflt = reduce == "max" ? -INFINITY : reduce == "min" ? INFINITY : reduce == "prod" ? 1 : 0;
+  Value init = has_initial ? Prepare(b, ctx.value("initial"), out.dtype, o3) : Const(b, e, dflt, o3);
+  Value r = init;
+  if (sg.len > 0) {
+    Value x = b.Reshape(data, std::vector<int64_t>{sg.outer, sg.len, sg.inner});
+    r = b.Scatter(init, SegmentCoords(b, sg), x, SegmentScatterDims(),
+                  [reduce](Builder& bb, std::span<const Value> a) {
+                    if (reduce == "max") return std::vector<Value>{MaxPropagateNaN(bb, a[0], a[1])};
+                    if (reduce == "min") return std::vector<Value>{MinPropagateNaN(bb, a[0], a[1])};
+                    if (reduce == "prod") return std::vector<Value>{bb.Mul(a[0], a[1])};
+                    return std::vector<Value>{bb.Add(a[0], a[1])};
+                  });
+  } else if (reduce != "sum" && reduce != "mean" && reduce != "max" && reduce != "min" && reduce != "prod") {
+    throw LoweringError(ctx.op_name() + ": unsupported reduction '" + reduce + "'");
+  }
+  if (reduce == "mean") {
+    Value len = b.BroadcastInDim(sg.lengths, o3, std::vector<int64_t>{0, 1});
+    Value empty = b.Compare(len, ConstLike(b, len, 0), CompareDirection::kEQ);
+    Value lenf = b.Convert(len, e);
+    Value mean = b.Div(r, b.Select(empty, ConstLike(b, lenf, 1), lenf));
+    r = b.Select(empty, has_initial ? init : Const(b, e, NAN, o3), mean);
+  }
+  return {Out(b, r, out)};
+}
+
+std::vector<Value> LowerSegmentReduceBackward(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value data = ctx.tensor("data");
+  if (!hlo::IsFloating(data.element())) throw LoweringError(ctx.op_name() + ": floating data only");
+  const std::string reduce(ctx.string_arg("reduce"));
+  Segments sg = SegmentsOf(ctx, data);
+  const ElementType e = data.element();
+  std::vector<int64_t> d3{sg.outer, sg.len, sg.inner}, o3{sg.outer, sg.count, sg.inner};
+  if (Numel(d3) == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  if (sg.count == 0) return {Const(b, e, 0, out.sizes)};
+  Value x = b.Reshape(data, d3);
+  Value grad = b.Reshape(Cast(b, ctx.tensor("grad"), ToScalarType(e)), o3);
+  Value output = b.Reshape(Cast(b, ctx.tensor("output"), ToScalarType(e)), o3);
+  Value coords = SegmentCoords(b, sg);
+  // Per position: its segment's gradient, output and length (positions past
+  // the last segment get 0).
+  hlo::GatherDims g;
+  g.offset_dims = {2};
+  g.collapsed_slice_dims = {0, 1};
+  g.start_index_map = {0, 1};
+  g.index_vector_dim = 2;
+  std::vector<int64_t> slice{1, 1, sg.inner};
+  auto pick = [&](const Value& v) { return b.Gather(v, coords, g, slice, TensorType{v.element(), d3}); };
+  Value valid = b.BroadcastInDim(b.Compare(sg.seg, Const(b, ElementType::kS64, static_cast<double>(sg.count), std::vector<int64_t>{sg.outer, sg.len}),
+                                           CompareDirection::kLT),
+                                 d3, std::vector<int64_t>{0, 1});
+  Value gx = pick(grad);
+  Value zero = Const(b, e, 0, d3);
+  Value r;
+  if (reduce == "sum") {
+    r = gx;
+  } else if (reduce == "mean") {
+    Value len = b.Convert(pick(b.BroadcastInDim(sg.lengths, o3, std::vector<int64_t>{0, 1})), e);
+    r = b.Div(gx, len);
+  } else if (reduce == "max" || reduce == "min") {
+    Value ox = pick(output);
+    Value hit = b.Or(b.Compare(x, x, CompareDirection::kNE), b.Compare(x, ox, CompareDirection::kEQ));
+    Value cnt = b.Scatter(Const(b, e, 0, o3), coords, b.Select(hit, Const(b, e, 1, d3), zero), SegmentScatterDims(),
+                          [](Builder& bb, std::span<const Value> a) { return std::vector<Value>{bb.Add(a[0], a[1])}; });
+    Value cx = pick(cnt);
+    Value gi = b.Select(hit, gx, zero);
+    // CPU divides only the positive gradients of tied elements.
+    Value split = b.And(b.Compare(cx, Const(b, e, 2, d3), CompareDirection::kGE), b.Compare(gi, zero, CompareDirection::kGT));
+    r = b.Select(split, b.Div(gi, cx), gi);
+  } else if (reduce == "prod") {
+    Value ox = pick(output);
+    Value is_nan = b.Compare(x, x, CompareDirection::kNE);
+    Value is_zero = b.Compare(x, zero, CompareDirection::kEQ);
+    Value special = b.Or(is_nan, is_zero);
+    auto count = [&](const Value& p) {
+      Value c = b.Scatter(Const(b, e, 0, o3), coords, b.Select(p, Const(b, e, 1, d3), zero), SegmentScatterDims(),
+                          [](Builder& bb, std::span<const Value> a) { return std::vector<Value>{bb.Add(a[0], a[1])}; });
+      return pick(c);
+    };
+    Value nans = b.Sub(count(is_nan), b.Select(is_nan, Const(b, e, 1, d3), zero));
+    Value zeros = b.Sub(count(is_zero), b.Select(is_zero, Const(b, e, 1, d3), zero));
+    Value init = ctx.has("initial") ? Prepare(b, ctx.value("initial"), ToScalarType(e), o3) : Const(b, e, 1, o3);
+    Value rest = b.Scatter(init, coords, b.Select(special, Const(b, e, 1, d3), x), SegmentScatterDims(),
+                           [](Builder& bb, std::span<const Value> a) { return std::vector<Value>{bb.Mul(a[0], a[1])}; });
+    Value excl = b.Select(b.Compare(nans, zero, CompareDirection::kGT), Const(b, e, NAN, d3),
+                          b.Select(b.Compare(zeros, zero, CompareDirection::kGT), zero, pick(rest)));
+    r = b.Select(special, b.Mul(gx, excl), b.Div(b.Mul(gx, ox), x));
+  } else {
+    throw LoweringError(ctx.op_name() + ": unsupported reduction '" + reduce + "'");
+  }
+  r = b.Select(valid, r, zero);
+  return {Out(b, r, out)};
+}
+
+// nonzero_static(self, size, fill_value): s64 [size, self.dim()], the
+// coordinates of the nonzero elements (NaN counts as nonzero) in row-major
+// order, truncated to `size` rows; missing rows are filled with fill_value.
+// The position of each nonzero is a prefix sum of the mask; elements past
+// `size` are dropped by the scatter (out-of-range scatter indices are skipped).
+std::vector<Value> LowerNonzeroStatic(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value x = ctx.tensor("self");
+  const int64_t size = out.sizes.at(0);
+  const int64_t r = x.rank();
+  const double fill = ctx.has("fill_value") ? static_cast<double>(ctx.int_arg("fill_value")) : -1.0;
+  if (Numel(out.sizes) == 0) return {Const(b, ElementType::kS64, 0, out.sizes)};
+  const int64_t n = x.type.numel();
+  Value init = Const(b, ElementType::kS64, fill, out.sizes);
+  if (n == 0) return {init};
+  int64_t nd[] = {n};
+  Value m = Cast(b, b.Reshape(x, nd), at::kBool);
+  Value pos = b.Sub(PrefixSum1D(b, b.Convert(m, ElementType::kS64)), Const(b, ElementType::kS64, 1, nd));
+  Value target = b.Select(m, pos, Const(b, ElementType::kS64, static_cast<double>(size), nd));
+  Value flat = b.Iota(TensorType{ElementType::kS64, {n}}, 0);
+  std::vector<Value> cols;
+  int64_t stride = n;
+  for (int64_t d = 0; d < r; ++d) {
+    const int64_t sz = x.dims()[static_cast<size_t>(d)];
+    stride /= sz;
+    Value c = b.Rem(b.Div(flat, Const(b, ElementType::kS64, static_cast<double>(stride), nd)),
+                    Const(b, ElementType::kS64, static_cast<double>(sz), nd));
+    cols.push_back(b.Reshape(c, std::vector<int64_t>{n, 1}));
+  }
+  Value coords = b.Concatenate(cols, 1);
+  hlo::ScatterDims s;
+  s.update_window_dims = {1};
+  s.inserted_window_dims = {0};
+  s.scatter_dims_to_operand_dims = {0};
+  s.index_vector_dim = 1;
+  Value res = b.Scatter(init, b.Reshape(target, std::vector<int64_t>{n, 1}), coords, s,
+                        [](Builder&, std::span<const Value> a) { return std::vector<Value>{a[1]}; });
+  return {Out(b, res, out)};
+}
+
+// histc(self, bins, min, max): f [bins], the counts of the elements in
+// [min, max] over `bins` equal-width bins, as PyTorch's CPU kernel
+// (aten/src/ATen/native/Histogram.cpp, cpu/HistogramKernel.cpp): min == max
+// takes the data's own range (aminmax, computed here on the device); an
+// empty range becomes [min - 1, max + 1]; bin = (int)((x - lo) * bins /
+// (hi - lo)) in the input dtype, x == hi in the last bin; NaN and values
+// outside the range are not counted. Floating inputs only (CPU raises for
+// others: the lowering declines). Not reproduced: CPU's errors for a
+// non-finite or reversed range (they would need a host sync).
+std::vector<Value> LowerHistc(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value x = ctx.tensor("self");
+  if (!hlo::IsFloating(x.element())) throw LoweringError(ctx.op_name() + ": histc needs a floating input");
+  const int64_t bins = ctx.int_arg("bins");
+  const ElementType e = x.element();
+  const int64_t n = x.type.numel();
+  std::vector<int64_t> bd{bins};
+  if (n == 0 || bins == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  Value lo = CastElement(b, ctx.value("min"), ElementType::kF64);
+  Value hi = CastElement(b, ctx.value("max"), ElementType::kF64);
+  Value flat = b.Reshape(x, std::vector<int64_t>{n});
+  std::vector<int64_t> all{0};
+  Value dmin = CastElement(b, ReduceMin(b, flat, all, false), ElementType::kF64);
+  Value dmax = CastElement(b, ReduceMax(b, flat, all, false), ElementType::kF64);
+  Value same = b.Compare(lo, hi, CompareDirection::kEQ);
+  lo = b.Select(same, dmin, lo);
+  hi = b.Select(same, dmax, hi);
+  Value empty = b.Compare(lo, hi, CompareDirection::kEQ);
+  Value one = Const(b, ElementType::kF64, 1);
+  lo = b.Select(empty, b.Sub(lo, one), lo);
+  hi = b.Select(empty, b.Add(hi, one), hi);
+  Value loe = BroadcastTo(b, CastElement(b, lo, e), std::vector<int64_t>{n});
+  Value hie = BroadcastTo(b, CastElement(b, hi, e), std::vector<int64_t>{n});
+  Value in = b.And(b.Compare(flat, loe, CompareDirection::kGE), b.Compare(flat, hie, CompareDirection::kLE));
+  Value scaled = b.Div(b.Mul(b.Sub(flat, loe), Const(b, e, static_cast<double>(bins), std::vector<int64_t>{n})),
+                       b.Sub(hie, loe));
+  Value pos = b.Convert(scaled, ElementType::kS64);
+  Value nb = Const(b, ElementType::kS64, static_cast<double>(bins), std::vector<int64_t>{n});
+  pos = b.Select(b.Compare(pos, nb, CompareDirection::kEQ), b.Sub(pos, Const(b, ElementType::kS64, 1, std::vector<int64_t>{n})), pos);
+  pos = b.Select(in, pos, nb);
+  hlo::ScatterDims s;
+  s.inserted_window_dims = {0};
+  s.scatter_dims_to_operand_dims = {0};
+  s.index_vector_dim = 1;
+  Value counts = b.Scatter(Const(b, ElementType::kS64, 0, bd), b.Reshape(pos, std::vector<int64_t>{n, 1}),
+                           Const(b, ElementType::kS64, 1, std::vector<int64_t>{n}), s,
+                           [](Builder& bb, std::span<const Value> a) { return std::vector<Value>{bb.Add(a[0], a[1])}; });
+  return {Out(b, counts, out)};
+}
 
 // ---------------------------------------------------------------------------
 // Advanced indexing: self[indices] with a list of optional integer tensors.
@@ -439,14 +812,8 @@ std::vector<Value> LowerMaskedScatter(LoweringContext& ctx) {
   if (n == 0 || ns == 0) return {self};
   int64_t nd[] = {n};
   Value m = b.Reshape(mask, nd);
-  Value ones = b.Convert(m, ElementType::kS64);
-  // inclusive prefix sum (Hillis-Steele) minus one = source position
-  Value pos = ones;
-  for (int64_t k = 1; k < n; k *= 2) {
-    int64_t st[] = {0}, li[] = {n - k}, sr[] = {1}, lo[] = {k}, hi[] = {0}, in[] = {0};
-    Value head = b.Slice(pos, st, li, sr);
-    pos = b.Add(pos, b.Pad(head, Const(b, ElementType::kS64, 0), lo, hi, in));
-  }
+  // inclusive prefix sum minus one = source position
+  Value pos = PrefixSum1D(b, b.Convert(m, ElementType::kS64));
   pos = b.Sub(pos, ConstLike(b, pos, 1));
   pos = b.Clamp(Const(b, ElementType::kS64, 0, nd), pos, Const(b, ElementType::kS64, static_cast<double>(ns - 1), nd));
   Value flat_src = b.Reshape(source, std::vector<int64_t>{ns});
@@ -703,6 +1070,12 @@ TORCH_TPU_LOWERINGS({
     {"scatter_reduce", LowerScatterReduce, {.index_checks = {{"index", "self", "dim"}}}},
     {"index_add", LowerIndexAdd, {.index_checks = {{"index", "self", "dim"}}}},
     {"index_copy", LowerIndexCopy, {.index_checks = {{"index", "self", "dim"}}}},
+    {"index_reduce", LowerIndexReduce, {.index_checks = {{"index", "self", "dim"}}}},
+    {"index_fill", LowerIndexFill, {.index_checks = {{"index", "self", "dim", true}}}},
+    {"nonzero_static", LowerNonzeroStatic},
+    {"histc", LowerHistc},
+    {"segment_reduce", LowerSegmentReduce},
+    {"_segment_reduce_backward", LowerSegmentReduceBackward},
     {"index", LowerIndex, {.index_checks = {{"indices", "self", "", true}}}},
     {"index_put", LowerIndexPut, {.index_checks = {{"indices", "self", "", true}}}},
     {"_index_put_impl", LowerIndexPut, {.index_checks = {{"indices", "self", "", true}}}},

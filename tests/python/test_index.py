@@ -419,3 +419,140 @@ def test_copy_shape_ops(dtype):
     run_both(lambda a: aten.unsqueeze_copy(a, 1), x)
     run_both(lambda a: aten.squeeze_copy(a[:, :1], 1), x)
     run_both(lambda a: aten.alias_copy(a), x)
+
+
+# --- nonzero_static, index_reduce, index_fill, segment_reduce, histc (index.cpp) -------------
+# These use conftest's no_cpu_fallback: ANY op falling back to the CPU fails the test.
+
+from conftest import no_cpu_fallback  # noqa: E402
+
+NAN = float("nan")
+
+
+def run_native(fn, *args, **tol):
+    expected = fn(*args)
+    with no_cpu_fallback():
+        actual = fn(*[tpu(a) for a in args])
+    check(actual, expected, **tol)
+    return actual
+
+
+def grads_native(fn, *args):
+    """Input gradients of fn(*args).sum() w.r.t. every floating argument."""
+    cpu_args = [a.clone().requires_grad_() if a.is_floating_point() else a for a in args]
+    fn(*cpu_args).sum().backward()
+    dev_args = [tpu(a).requires_grad_() if a.is_floating_point() else tpu(a) for a in args]
+    with no_cpu_fallback():
+        fn(*dev_args).sum().backward()
+    for c, d in zip(cpu_args, dev_args):
+        if c.is_floating_point():
+            check(d.grad, c.grad)
+
+
+@pytest.mark.parametrize("x", [
+    torch.tensor([[0.0, 1.5, -2.0], [0.0, NAN, 0.0]]),
+    torch.tensor([[3, 0, 0, -1], [0, 0, 7, 0]]),
+    torch.tensor([[True, False], [False, True], [True, True]]),
+    torch.zeros(2, 3), torch.zeros(0, 3), torch.tensor(2.0), torch.ones(2, 1, 3),
+], ids=["f32_nan", "i64", "bool", "all_zero", "empty", "scalar", "3d"])
+@pytest.mark.parametrize("size,fill", [(0, -1), (2, -1), (4, 9), (10, -5)])
+def test_nonzero_static(x, size, fill):
+    run_native(lambda a: torch.nonzero_static(a, size=size, fill_value=fill), x)
+    run_native(lambda a: torch.nonzero_static(a.transpose(0, -1), size=size), x) if x.dim() else None
+
+
+@pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_index_reduce(reduce, include_self, dtype):
+    x = torch.tensor([[1, -2, 3], [4, 5, -6], [7, 8, 9], [-1, 2, 0]]).to(dtype)
+    src = torch.tensor([[2, 3, -1], [5, -5, 4], [1, 7, 2]]).to(dtype)
+    run_native(lambda a, i, s: a.index_reduce(0, i, s, reduce, include_self=include_self), x, idx(0, 2, 0), src)
+    run_native(lambda a, i, s: a.index_reduce(1, i, torch.cat([s, s[:1]]), reduce, include_self=include_self), x, idx(2, 2, 1), src)
+    run_native(lambda a, i, s: a.index_reduce(-1, i, s.new_zeros(4, 0), reduce), x, torch.zeros(0, dtype=torch.long), src)
+    run_native(lambda a, i, s: a.clone().index_reduce_(0, i, s, reduce, include_self=include_self), x, idx(3, 3, 3), src)
+
+
+def test_index_reduce_nan_backward_errors():
+    x = torch.tensor([[1.0, NAN], [3.0, 4.0], [0.5, 2.0]])
+    src = torch.tensor([[NAN, 1.0], [2.0, 3.0]])
+    for reduce in ("prod", "mean", "amax", "amin"):
+        run_native(lambda a, i, s: a.index_reduce(0, i, s, reduce), x, idx(2, 2), src)
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [0.5, 2.0]])
+    src = torch.tensor([[2.0, 5.0], [-2.0, 3.0]])
+    for reduce in ("prod", "mean", "amax", "amin"):
+        grads_native(lambda a, s: a.index_reduce(0, idx(2, 0).to(a.device), s, reduce, include_self=False) ** 2, x, src)
+    with torch_tpu.eager_mode("debug"):
+        with pytest.raises(IndexError):
+            tpu(x).index_reduce(0, tpu(idx(3)), tpu(src[:1]), "prod")
+        with pytest.raises(IndexError):
+            tpu(x).index_reduce(0, tpu(idx(-1)), tpu(src[:1]), "prod")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_index_fill(dtype):
+    x = torch.tensor([[1, 0, 3], [4, 5, 0]]).to(dtype)
+    run_native(lambda a, i: a.index_fill(1, i, 1), x, idx(0, -1))
+    run_native(lambda a, i: a.index_fill(0, i, 0), x, idx(1))
+    run_native(lambda a, i: a.clone().index_fill_(-1, i, True if dtype == torch.bool else 7), x, idx(2, 2))
+    run_native(lambda a, i, v: a.index_fill(1, i, v), x, idx(1), torch.tensor(1).to(dtype))  # int_Tensor
+    run_native(lambda a, i: a.index_fill(0, i, 1), x, torch.zeros(0, dtype=torch.long))
+    run_native(lambda a, i: a.index_fill(0, i, 1), torch.tensor(5).to(dtype), idx(0))
+    with torch_tpu.eager_mode("debug"):
+        with pytest.raises(IndexError):
+            tpu(x).index_fill(1, tpu(idx(3)), 1)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max", "min", "prod"])
+@pytest.mark.parametrize("use_offsets", [False, True])
+def test_segment_reduce(reduce, use_offsets):
+    data = torch.tensor([[1.0, -2.0], [3.0, 4.0], [0.0, 6.0], [-1.0, 2.5], [2.0, 2.0], [5.0, -3.0]])
+    lengths = torch.tensor([2, 0, 3, 1])
+
+    def seg(d, l, **kw):
+        if use_offsets:
+            off = F.pad(torch.cumsum(l, -1), (1, 0))
+            return torch.segment_reduce(d, reduce, offsets=off, **kw)
+        return torch.segment_reduce(d, reduce, lengths=l, **kw)
+    run_native(seg, data, lengths)
+    run_native(lambda d, l: seg(d, l, initial=2.0), data, lengths)
+    run_native(seg, data[:, 0], lengths)
+    run_native(seg, data, lengths.int())
+    run_native(seg, data, torch.tensor([6]))
+    run_native(seg, data[:0], torch.tensor([0, 0]))
+    run_native(seg, torch.tensor([[NAN, 1.0], [2.0, 3.0], [4.0, 5.0]]), torch.tensor([2, 1]))
+    # batched lengths: axis = lengths.dim() - 1
+    d2 = data.view(2, 3, 2)
+    l2 = torch.tensor([[1, 2], [3, 0]])
+    run_native(lambda d, l: seg(d, l, axis=1), d2, l2)
+    ties = torch.tensor([[1.0, 0.0], [1.0, 2.0], [0.5, 2.0], [3.0, -1.0]])
+    for d, l in [(data, lengths), (ties, torch.tensor([3, 1]))]:
+        grads_native(lambda d, l: seg(d, l) * torch.arange(1.0, l.numel() + 1, device=d.device)[:, None], d, l)
+        grads_native(lambda d, l: seg(d, l, initial=1.5), d, l)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_histc(dtype):
+    x = torch.tensor([1.0, 2.0, 1.0, 3.0, 2.5, 0.1, 2.9999]).to(dtype)
+    run_native(lambda a: torch.histc(a, bins=4), x)                     # data range
+    run_native(lambda a: torch.histc(a, bins=5, min=0, max=3), x)
+    run_native(lambda a: torch.histc(a, bins=3, min=1.5, max=2.5), x)    # values outside ignored
+    run_native(lambda a: torch.histc(a, bins=7, min=-1, max=1), x)
+    run_native(lambda a: torch.histc(a, bins=4), torch.tensor([2.0, 2.0]).to(dtype))   # empty range -> +-1
+    run_native(lambda a: torch.histc(a, bins=4, min=3, max=3), torch.tensor([2.0, 3.0]).to(dtype))
+    run_native(lambda a: torch.histc(a, bins=4, min=0, max=4), torch.tensor([1.0, NAN, 4.0]).to(dtype))
+    run_native(lambda a: torch.histc(a, bins=3), torch.zeros(0).to(dtype))
+    run_native(lambda a: torch.histc(a, bins=10), torch.linspace(-3, 7, 101).to(dtype).view(1, 101))
+    out = torch.empty(0, dtype=dtype, device=TPU)
+    with no_cpu_fallback():
+        torch.histc(tpu(x), bins=4, out=out)
+    check(out, torch.histc(x, bins=4))
+
+
+def test_index_ops_fused_mode():
+    x = torch.tensor([[1.0, 0.0, 3.0], [0.0, 5.0, 6.0]])
+    with torch_tpu.eager_mode("fused"):
+        run_native(lambda a: torch.nonzero_static(a * 2, size=5), x)
+        run_native(lambda a: torch.histc(a + 1, bins=3), x)
+        run_native(lambda a: a.index_reduce(0, idx(1, 1).to(a.device), a, "amax", include_self=False), x)
+        run_native(lambda a: torch.segment_reduce(a.t(), "mean", lengths=idx(2, 1).to(a.device)), x)
