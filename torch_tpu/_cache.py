@@ -7,6 +7,7 @@ import atexit
 import fcntl
 import json
 import os
+import sys
 import tempfile
 
 from . import _C
@@ -84,11 +85,24 @@ def _save_stats() -> None:
         pass
 
 
-def clear() -> int:
-    """Removes every entry and the counters; returns the number of entries removed."""
+def _progress(items: list, desc: str, enabled: bool):
+    """``items`` wrapped in a tqdm bar when enabled, stderr is a terminal and
+    tqdm is installed; else ``items`` (quiet in logs and pipes)."""
+    if not enabled or not items or not sys.stderr.isatty():
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, unit="entry", leave=False)
+
+
+def clear(progress: bool = False) -> int:
+    """Removes every entry and the counters; returns the number of entries
+    removed. ``progress``: a progress bar on a terminal."""
     d = directory()
     removed = 0
-    for name, _ in entries():
+    for name, _ in _progress(entries(), "removing cache entries", progress):
         try:
             os.remove(os.path.join(d, name))
             removed += 1

@@ -1,7 +1,10 @@
 // The tpu allocator: a storage's data pointer is its runtime::DeviceStorage,
 // which owns the storage's PJRT buffer (DESIGN.md, "Memory model"). Bytes
 // are counted for torch.tpu.memory_allocated(); device memory itself is
-// taken by the plugin when a buffer is written.
+// taken by the plugin when a buffer is written. An allocation that cannot
+// fit (more than the device's total memory, or over the limit of
+// torch.tpu.set_per_process_memory_fraction) raises torch.OutOfMemoryError
+// naming the size and device (runtime::Runtime::OnAllocate).
 #include <c10/core/CPUAllocator.h>
 
 #include "aten/tpu.h"

@@ -3,7 +3,23 @@
 // executor; an op without a usable lowering runs on the CPU with one warning
 // per op and a counter in torch_tpu.metrics() (TORCH_TPU_CPU_FALLBACK=0
 // makes it an error naming the op).
+//
+// Before that, as PyTorch's CPU/CUDA kernels do:
+//  - arguments with the conjugate or negative bit set (x.conj(),
+//    torch._neg_view(x), z.conj().imag) are materialized, and written ones
+//    get their result copied back through copy_, which re-applies the bits
+//    (the Conjugate/Negative dispatch keys fall through for copy_, clone,
+//    views and a few linear-algebra ops, so such tensors do reach tpu
+//    kernels; a lowering reads a storage's elements as stored);
+//  - a call that writes a tensor whose elements overlap (expanded: a zero
+//    stride over a size > 1) runs on the CPU on a mirror of the same
+//    layout, so that it raises PyTorch's "unsupported operation: more than
+//    one element of the written-to tensor refers to a single memory
+//    location" where CPU raises it (add_, mul_, out= ...) and computes what
+//    CPU computes where CPU allows it (index_put_, masked_fill_, ...).
+#include <ATen/MemoryOverlap.h>
 #include <ATen/native/CPUFallback.h>
+#include <ATen/native/Resize.h>
 #include <torch/library.h>
 
 #include <cstdlib>
@@ -17,6 +33,13 @@
 #include "runtime/executor.h"
 
 namespace torch_tpu::aten {
+namespace {
+
+}  // namespace
+
+at::Tensor PhysicalView(const at::Tensor& t);     // kernels.cpp
+at::Tensor ResolveMathBits(const at::Tensor& t);  // kernels.cpp
+
 namespace {
 
 bool CpuFallbackAllowed() {
@@ -85,7 +108,195 @@ void MoveCpuIndicesToDevice(const c10::OperatorHandle& op, torch::jit::Stack* st
   }
 }
 
+bool IsWrittenArg(const c10::Argument& a) { return a.alias_info() != nullptr && a.alias_info()->isWrite(); }
+
+bool HasMathBits(const at::Tensor& t) { return t.defined() && (t.is_conj() || t.is_neg()); }
+
+// Calls `fn` on every tensor of argument value `v` (a tensor, or an item of
+// a tensor list / optional tensor list).
+template <typename Fn>
+void ForEachTensor(const c10::IValue& v, Fn&& fn) {
+  if (v.isTensor()) {
+    fn(v.toTensor());
+  } else if (v.isTensorList() || (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList())) {
+    for (const auto& item : v.toListRef())
+      if (item.isTensor()) fn(item.toTensor());
+  }
+}
+
+// Replaces every tensor of argument value `v` by fn(tensor).
+template <typename Fn>
+c10::IValue MapTensors(const c10::IValue& v, Fn&& fn) {
+  if (v.isTensor()) return fn(v.toTensor());
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(fn(t));
+    return out;
+  }
+  if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
+    bool has_tensor = false;
+    for (const auto& item : v.toListRef()) has_tensor |= item.isTensor();
+    if (!has_tensor) return v;
+    c10::List<std::optional<at::Tensor>> out;
+    for (const auto& item : v.toListRef()) {
+      if (item.isTensor()) out.push_back(fn(item.toTensor()));
+      else out.push_back(std::nullopt);
+    }
+    return out;
+  }
+  return v;
+}
+
+bool AnyMathBits(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const size_t n = op.schema().arguments().size(), first = stack.size() - n;
+  bool any = false;
+  for (size_t i = first; i < stack.size(); ++i) ForEachTensor(stack[i], [&](const at::Tensor& t) { any |= HasMathBits(t); });
+  return any;
+}
+
+void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
+// The call with its conjugate/negative-bit arguments materialized: read
+// arguments are replaced by their values; a written argument by a
+// materialized copy, whose final value is copied back into it (copy_
+// stores it with the argument's bits undone), as PyTorch's math-bit
+// fallback (ATen/native/MathBitsFallback.h) does for CPU and CUDA.
+void RunResolvingMathBits(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  std::vector<std::pair<at::Tensor, at::Tensor>> written;  // (argument, its materialized copy)
+  for (size_t i = 0; i < args.size(); ++i) {
+    c10::IValue& v = (*stack)[first + i];
+    const bool write = IsWrittenArg(args[i]);
+    if (write && !v.isTensor()) {
+      ForEachTensor(v, [&](const at::Tensor& t) {
+        TORCH_CHECK(!HasMathBits(t), "torch_tpu: ", op.schema().name(),
+                    " writes a list of tensors that holds a conjugate or negative view; resolve it first "
+                    "(resolve_conj()/resolve_neg())");
+      });
+      continue;
+    }
+    bool bits = false;
+    ForEachTensor(v, [&](const at::Tensor& t) { bits |= HasMathBits(t); });
+    if (!bits) continue;
+    v = MapTensors(v, [&](const at::Tensor& t) {
+      if (!HasMathBits(t)) return t;
+      at::Tensor r = ResolveMathBits(t);
+      if (write) written.emplace_back(t, r);
+      return r;
+    });
+  }
+  TpuBoxedKernel(op, stack);
+  for (auto& [arg, copy] : written) {
+    at::native::resize_output(arg, copy.sizes());  // out= arguments may have been resized
+    arg.copy_(copy);
+    for (size_t i = first; i < stack->size(); ++i)
+      if ((*stack)[i].isTensor() && (*stack)[i].toTensor().is_same(copy)) (*stack)[i] = arg;
+  }
+}
+
+// True if the call writes a tensor with internally overlapping elements
+// (at::has_internal_overlap: a zero stride over a size > 1), other than
+// fill_/zero_, whose lowerings write the same value to every element (CPU
+// allows them too).
+bool WritesOverlappingTensor(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack.size() - args.size();
+  bool overlap = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (!IsWrittenArg(args[i])) continue;
+    ForEachTensor(stack[first + i], [&](const at::Tensor& t) {
+      overlap |= t.defined() && t.device().type() == kTpu && at::has_internal_overlap(t) == at::MemOverlap::Yes;
+    });
+  }
+  if (!overlap) return false;
+  const std::string base = runtime::BaseName(op.schema());
+  return base != "fill" && base != "zero";
+}
+
+// Runs the call on the CPU with every tpu tensor argument mirrored by a CPU
+// tensor of the same sizes, strides and offset over a host copy of its
+// storage (arguments sharing a storage share the copy), so that CPU's
+// overlap checks and semantics apply; written storages are uploaded back.
+void RunOnCpuMirror(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  const std::string name = OpName(op.schema());
+  runtime::FlushPendingWork();  // the storages are read and replaced below
+  auto& rt = runtime::Runtime::Get();
+  struct Mirror {
+    at::Tensor bytes;  // the storage's bytes on the host
+    at::Tensor any;    // a tpu tensor over the storage
+    bool written = false;
+  };
+  std::unordered_map<runtime::DeviceStorage*, Mirror> mirrors;
+  std::vector<c10::IValue> originals(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
+  for (size_t i = 0; i < args.size(); ++i) {
+    c10::IValue& v = (*stack)[first + i];
+    const bool write = IsWrittenArg(args[i]);
+    v = MapTensors(v, [&](const at::Tensor& t) -> at::Tensor {
+      if (!t.defined() || t.device().type() != kTpu) return t;
+      auto& ds = runtime::StorageOf(t);
+      auto [it, inserted] = mirrors.try_emplace(&ds);
+      Mirror& m = it->second;
+      if (inserted) {
+        m.bytes = at::zeros({static_cast<int64_t>(ds.nbytes())}, at::TensorOptions().dtype(at::kByte));
+        m.any = t;
+        if (ds.initialized()) {
+          const auto& cur = ds.Materialize(ds.current().element);
+          size_t n = static_cast<size_t>(cur.numel) * runtime::ElementSize(cur.element);
+          rt.Download(cur, m.bytes.data_ptr(), std::min(n, ds.nbytes()));
+        }
+      }
+      m.written |= write;
+      at::Tensor host = at::empty({0}, t.options().device(at::kCPU));
+      host.set_(m.bytes.storage(), t.storage_offset(), t.sizes(), t.strides());
+      return host;
+    });
+  }
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);  // raises as CPU raises
+  TORCH_CHECK_NOT_IMPLEMENTED(CpuFallbackAllowed(), "The operator '", name,
+                              "' writes a tensor with overlapping elements, which runs on the CPU, and "
+                              "TORCH_TPU_CPU_FALLBACK=0 forbids running it on the CPU.");
+  {
+    auto& metrics = rt.metrics();
+    std::lock_guard<std::mutex> lock(metrics.fallback_mutex);
+    metrics.cpu_fallbacks[name]++;
+  }
+  for (auto& [ds, m] : mirrors) {
+    if (!m.written) continue;
+    hlo::ElementType e = ds->initialized() ? ds->current().element : lowering::ToElementType(m.any.scalar_type());
+    int64_t numel = static_cast<int64_t>(ds->nbytes() / runtime::ElementSize(e));
+    int64_t dims[] = {numel};
+    ds->Set({rt.Upload(m.bytes.data_ptr(), e, dims, m.any.device().index()), e, numel, name + " (on the CPU)"});
+  }
+  // Returns: written arguments as the original tpu tensors, new tensors moved
+  // to the device.
+  const auto& returns = op.schema().returns();
+  const size_t rfirst = stack->size() - returns.size();
+  for (size_t r = 0; r < returns.size(); ++r) {
+    c10::IValue& v = (*stack)[rfirst + r];
+    bool aliased = false;
+    if (returns[r].alias_info()) {
+      for (size_t i = 0; i < args.size(); ++i) {
+        const auto* ai = args[i].alias_info();
+        if (ai && ai->isWrite() && ai->beforeSets() == returns[r].alias_info()->beforeSets()) {
+          v = originals[i];
+          aliased = true;
+          break;
+        }
+      }
+    }
+    if (!aliased) {
+      c10::Device device = mirrors.empty() ? c10::Device(kTpu, CurrentDevice()) : mirrors.begin()->second.any.device();
+      v = MapTensors(v, [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; });
+    }
+  }
+}
+
 void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (AnyMathBits(op, *stack)) return RunResolvingMathBits(op, stack);
+  if (WritesOverlappingTensor(op, *stack)) return RunOnCpuMirror(op, stack);
   const lowering::LoweringEntry* entry = EntryFor(op);
   if (entry) MoveCpuIndicesToDevice(op, stack);
   if (!entry) return RunOnCpu(op, stack, "no lowering");

@@ -5,11 +5,13 @@
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/InferSize.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/native/Resize.h>
 #include <ATen/native/transformers/sdp_utils_cpp.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
 #include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/unfold_native.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -52,6 +54,13 @@ at::Tensor View(const at::Tensor& self, c10::IntArrayRef size) { return at::nati
 
 at::Tensor ReshapeAlias(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
   return at::native::_reshape_alias(self, size, stride);
+}
+
+// unfold(self, dimension, size, step): windows of `size` elements every
+// `step` along `dimension`, as a new last dimension; a view (PyTorch's own
+// size/stride computation and errors, then as_strided over the storage).
+at::Tensor Unfold(const at::Tensor& self, int64_t dimension, int64_t size, int64_t step) {
+  return at::native::unfold(self, dimension, size, step);
 }
 
 // Bytes of host memory holding the storage's current contents (zeros if it
@@ -137,6 +146,32 @@ bool IsWholeStorage(const at::Tensor& t) {
   return static_cast<int64_t>(s.nbytes()) == t.numel() * static_cast<int64_t>(t.element_size());
 }
 
+}  // namespace
+
+// A view of t's elements as stored (same storage and layout) with the
+// conjugate and negative bits cleared; t itself if neither is set.
+at::Tensor PhysicalView(const at::Tensor& t) {
+  if (!t.is_conj() && !t.is_neg()) return t;
+  at::Tensor v = at::native::as_strided_tensorimpl(t, t.sizes(), t.strides(), t.storage_offset());
+  v.unsafeGetTensorImpl()->_set_conj(false);
+  v.unsafeGetTensorImpl()->_set_neg(false);
+  return v;
+}
+
+// A new tensor holding t's values with its conjugate/negative bits applied
+// (what at::resolve_conj(at::resolve_neg(t)) gives on CPU); t itself if
+// neither bit is set. Negation lowers; conjugating complex values runs
+// wherever conj_physical runs (the CPU today: complex arithmetic).
+at::Tensor ResolveMathBits(const at::Tensor& t) {
+  if (!t.is_conj() && !t.is_neg()) return t;
+  at::Tensor v = PhysicalView(t);
+  if (t.is_conj()) v = at::conj_physical(v);
+  if (t.is_neg()) v = at::neg(v);
+  return v;
+}
+
+namespace {
+
 void RunCopy(const at::Tensor& dst, const at::Tensor& src) {
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
   static const lowering::LoweringEntry* entry = lowering::FindLowering("copy");
@@ -145,13 +180,22 @@ void RunCopy(const at::Tensor& dst, const at::Tensor& src) {
   runtime::RunOp(op, &stack, *entry);
 }
 
-at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
-  if (dst.numel() == 0) return dst;
-  const bool src_tpu = src.device().type() == kTpu, dst_tpu = dst.device().type() == kTpu;
+// copy_ between devices (PyTorch's copy_ sends every copy involving a tpu
+// tensor here). As on CPU/CUDA: dst's logical values become src's logical
+// values, so the conjugate/negative bits of both are honoured (dst stores
+// its values with its own bits undone), and a dst with internally
+// overlapping elements (expanded) is rejected.
+at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst_logical, bool non_blocking) {
+  if (dst_logical.numel() == 0) return dst_logical;
+  const bool src_tpu = src.device().type() == kTpu, dst_tpu = dst_logical.device().type() == kTpu;
+  if (dst_tpu) at::assert_no_internal_overlap(dst_logical);
   auto& rt = Runtime::Get();
   if (!src_tpu && dst_tpu) {
     TORCH_CHECK(src.device().is_cpu(), "copy to tpu from ", src.device(), " is not supported; copy to the CPU first");
-    at::Tensor host = src.to(dst.scalar_type());
+    const at::Tensor dst = PhysicalView(dst_logical);
+    at::Tensor host = src.resolve_conj().resolve_neg().to(dst.scalar_type());
+    if (dst_logical.is_conj()) host = host.conj_physical();
+    if (dst_logical.is_neg()) host = host.neg();
     if (IsWholeStorage(dst)) {
       // Replacing the buffer directly: recorded ops must see the old one.
       runtime::FlushPendingWork();
@@ -159,7 +203,7 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst, bool non_block
       hlo::ElementType e = lowering::ToElementType(dst.scalar_type());
       int64_t dims[] = {dst.numel()};
       StorageOf(dst).Set({rt.Upload(host.data_ptr(), e, dims, dst.device().index()), e, dst.numel(), "copy from cpu"});
-      return dst;
+      return dst_logical;
     }
     host = host.contiguous();
     hlo::ElementType e = lowering::ToElementType(host.scalar_type());
@@ -168,24 +212,35 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst, bool non_block
         {rt.Upload(host.data_ptr(), e, dims, dst.device().index()), e, host.numel(), "copy from cpu"}, host.sizes(),
         host.scalar_type(), dst.device().index());
     RunCopy(dst, staged);
-    return dst;
+    return dst_logical;
   }
   if (src_tpu && !dst_tpu) {
+    const at::Tensor& dst = dst_logical;
     TORCH_CHECK(dst.device().is_cpu(), "copy from tpu to ", dst.device(), " is not supported");
     rt.Sync();  // a sync point: earlier failures surface here, naming their op
-    at::Tensor whole = IsWholeStorage(src) ? src : at::clone(src, at::MemoryFormat::Contiguous);
+    // The stored elements, downloaded, then given src's bits: the CPU copy_
+    // below resolves them.
+    at::Tensor stored = PhysicalView(src);
+    at::Tensor whole = IsWholeStorage(stored) ? stored : at::clone(stored, at::MemoryFormat::Contiguous);
     at::Tensor host = at::empty(whole.sizes(), whole.options().device(at::kCPU));
     hlo::ElementType e = lowering::ToElementType(whole.scalar_type());
     rt.Download(StorageOf(whole).Materialize(e), host.data_ptr(), host.nbytes());
+    host.unsafeGetTensorImpl()->_set_conj(src.is_conj());
+    host.unsafeGetTensorImpl()->_set_neg(src.is_neg());
     dst.copy_(host);
     return dst;
   }
-  TORCH_CHECK(src_tpu && dst_tpu, "unsupported copy from ", src.device(), " to ", dst.device());
-  if (src.device() != dst.device()) {
-    return dst.copy_(src.cpu());
+  TORCH_CHECK(src_tpu && dst_tpu, "unsupported copy from ", src.device(), " to ", dst_logical.device());
+  if (src.device() != dst_logical.device()) {
+    return dst_logical.copy_(src.cpu());
   }
-  RunCopy(dst, src);
-  return dst;
+  // Within a device: the stored elements of src, conjugated/negated where
+  // src's and dst's bits differ (each bit is its own inverse).
+  at::Tensor value = PhysicalView(src);
+  if (src.is_conj() != dst_logical.is_conj() && dst_logical.is_complex()) value = at::conj_physical(value);
+  if (src.is_neg() != dst_logical.is_neg()) value = at::neg(value);
+  RunCopy(PhysicalView(dst_logical), value);
+  return dst_logical;
 }
 
 at::Tensor CopyFromAndResize(const at::Tensor& self, const at::Tensor& dst) {
@@ -214,6 +269,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("as_strided", AsStrided);
   m.impl("view", View);
   m.impl("_reshape_alias", ReshapeAlias);
+  m.impl("unfold", Unfold);
   m.impl("resize_", Resize);
   m.impl("set_.source_Storage_storage_offset", SetStorage);
   m.impl("set_.source_Storage", SetSourceStorage);
@@ -223,6 +279,21 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", CopyFromAndResize);
   m.impl("_local_scalar_dense", LocalScalarDense);
   m.impl("_fused_sdp_choice", FusedSdpChoice);
+}
+
+// _copy_from(self, dst) has no alias annotation on dst, so PyTorch's
+// Conjugate/Negative fallbacks would materialize a conj/neg dst into a
+// temporary clone and the copy would be lost (x.conj().copy_(y) leaving x
+// unchanged). CopyFrom honours both bits itself, as copy_ does on CPU and
+// CUDA (where copy_ is a fallthrough for these keys), so these pass through.
+// The only _copy_from kernels in a torch_tpu process are tpu's.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
 }
 
 }  // namespace torch_tpu::aten

@@ -1,7 +1,8 @@
 // View and shape ops lowered as VALUES, for whole-graph lowering (fused
 // regions, torch.compile). Entries carry traits.graph_only: eager tpu tensors
 // never reach them (views are metadata over a shared storage, kernels.cpp;
-// fallback.cpp skips graph_only entries). In a graph every value is logically
+// fallback.cpp skips graph_only entries), except unfold_backward, a
+// computation lowered for eager calls too. In a graph every value is logically
 // contiguous, so a view is the same elements rearranged: reshape, transpose,
 // slice, broadcast, or (as_strided, diagonal, unfold) a strided read of the
 // value's row-major elements.
@@ -238,6 +239,86 @@ std::vector<Value> LowerUnfold(LoweringContext& ctx) {
   return {StridedRead(ctx, x, view)};
 }
 
+// unfold_backward(grad_in, input_sizes, dim, size, step) -> the input's
+// gradient (input_sizes, grad_in's dtype): window element
+// grad_in[..., w, ..., k] (w along `dim`, k the last dimension) is added at
+// position w * step + k of `dim`, as PyTorch's unfold_backward. Windows
+// that do not overlap (step >= size) are laid out by a pad and a reshape;
+// overlapping ones are summed by a scatter-add (in f32 for bf16/f16, as
+// PyTorch's opmath). Not graph-only: eager calls lower it too.
+std::vector<Value> LowerUnfoldBackward(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value g = ctx.tensor("grad_in");
+  const std::vector<int64_t> in = ctx.ints("input_sizes");
+  const int64_t size = ctx.int_arg("size"), step = ctx.int_arg("step");
+  if (step <= 0) throw LoweringError(ctx.op_name() + ": step must be positive");
+  const int64_t rank = static_cast<int64_t>(in.size());
+  if (rank == 0 || g.type.numel() == 0 || out.sizes != in) {
+    if (rank == 0 && g.type.numel() == 1) return {Cast(b, b.Reshape(g, out.sizes), out.dtype)};  // 0-d: one element
+    if (g.type.numel() == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+    throw LoweringError(ctx.op_name() + ": unexpected shapes");
+  }
+  const int64_t d = NormalizeDim(ctx.int_arg("dim"), rank);
+  const size_t du = static_cast<size_t>(d);
+  const int64_t n = in[du];
+  if (g.rank() != rank + 1 || g.dims()[static_cast<size_t>(rank)] != size)
+    throw LoweringError(ctx.op_name() + ": grad_in does not match the windows");
+  const int64_t windows = g.dims()[du];
+  if (step >= size) {
+    // [.., W, .., size] -> [.., W, size, ..] -> pad size to step -> [.., W*step, ..] -> n along d.
+    std::vector<int64_t> perm;
+    for (int64_t i = 0; i <= d; ++i) perm.push_back(i);
+    perm.push_back(rank);
+    for (int64_t i = d + 1; i < rank; ++i) perm.push_back(i);
+    Value t = b.Transpose(g, perm);
+    const size_t r1 = static_cast<size_t>(rank + 1);
+    std::vector<int64_t> lo(r1, 0), hi(r1, 0), interior(r1, 0);
+    hi[du + 1] = step - size;
+    t = b.Pad(t, Const(b, t.element(), 0), lo, hi, interior);
+    std::vector<int64_t> merged = in;
+    merged[du] = windows * step;
+    t = b.Reshape(t, merged);
+    std::vector<int64_t> lo2(static_cast<size_t>(rank), 0), hi2(static_cast<size_t>(rank), 0),
+        in2(static_cast<size_t>(rank), 0);
+    hi2[du] = n - windows * step;  // negative: trims the last window's padding
+    t = b.Pad(t, Const(b, t.element(), 0), lo2, hi2, in2);
+    return {Cast(b, t, out.dtype)};
+  }
+  // Overlapping windows: rows [W*size, rest] scattered (added) into [n, rest].
+  const ElementType acc = ToElementType(OpMathType(out.dtype));
+  std::vector<int64_t> perm{d, rank}, rest_dims;
+  int64_t rest = 1;
+  for (int64_t i = 0; i < rank; ++i) {
+    if (i == d) continue;
+    perm.push_back(i);
+    rest_dims.push_back(in[static_cast<size_t>(i)]);
+    rest *= in[static_cast<size_t>(i)];
+  }
+  Value rows = b.Reshape(CastElement(b, b.Transpose(g, perm), acc), std::vector<int64_t>{windows * size, rest});
+  std::vector<int64_t> wk{windows, size};
+  Value pos = b.Add(b.Mul(b.Iota(TensorType{ElementType::kS64, wk}, 0), Const(b, ElementType::kS64,
+                                                                                 static_cast<double>(step), wk)),
+                    b.Iota(TensorType{ElementType::kS64, wk}, 1));
+  pos = b.Reshape(pos, std::vector<int64_t>{windows * size, 1});
+  hlo::ScatterDims sd;
+  sd.update_window_dims = {1};
+  sd.inserted_window_dims = {0};
+  sd.scatter_dims_to_operand_dims = {0};
+  sd.index_vector_dim = 1;
+  Value acc_init = Const(b, acc, 0, std::vector<int64_t>{n, rest});
+  Value summed = b.Scatter(acc_init, pos, rows, sd, [](Builder& bb, std::span<const Value> a) {
+    return std::vector<Value>{bb.Add(a[0], a[1])};
+  });
+  std::vector<int64_t> moved{n};
+  moved.insert(moved.end(), rest_dims.begin(), rest_dims.end());
+  Value t = b.Reshape(summed, moved);
+  // [n, others...] -> original order: dim 0 goes back to d.
+  std::vector<int64_t> back;
+  for (int64_t i = 0; i < rank; ++i) back.push_back(i == d ? 0 : (i < d ? i + 1 : i));
+  return {Cast(b, b.Transpose(t, back), out.dtype)};
+}
+
 // _to_copy(self, dtype, layout, device, pin_memory, non_blocking,
 // memory_format) within the device: a cast. Graph-only like the views
 // (traits.graph_only): eager `.to()` keeps PyTorch's kernel, which routes device
@@ -277,6 +358,7 @@ TORCH_TPU_LOWERINGS({
     {"as_strided", LowerAsStrided, kView},
     {"diagonal", LowerDiagonal, kView},
     {"unfold", LowerUnfold, kView},
+    {"unfold_backward", LowerUnfoldBackward},
     {"_to_copy", LowerToCopy, kView},
 });
 

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <torch/csrc/Generator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/headeronly/version.h>
 
 #include "aten/tpu.h"
 #include "lowering/lowering.h"
@@ -37,6 +38,7 @@ py::dict Metrics() {
   }
   d["cpu_fallbacks"] = fallbacks;
   d["cached_executables"] = torch_tpu::runtime::GlobalOpCache().size();
+  d["executable_cache_evictions"] = torch_tpu::runtime::ExecutableEvictions().load();
   auto& disk = torch_tpu::runtime::DiskCache::Get().stats();
   d["disk_cache_hits"] = disk.hits.load();
   d["disk_cache_misses"] = disk.misses.load();
@@ -52,6 +54,8 @@ py::dict MemoryStats() {
   d["allocated_bytes.all.current"] = rt.allocated_bytes();
   d["allocated_bytes.all.peak"] = rt.peak_allocated_bytes();
   d["allocation.all.allocated"] = rt.num_allocs();
+  d["device.total_memory"] = rt.TotalMemory(torch_tpu::aten::CurrentDevice());
+  if (rt.memory_limit() > 0) d["device.memory_limit"] = rt.memory_limit();
   auto stats = rt.client().memory_stats(rt.device(torch_tpu::aten::CurrentDevice()));
   if (stats) {
     d["device.bytes_in_use"] = stats->bytes_in_use;
@@ -76,6 +80,7 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   m.def("_is_initialized", &Runtime::Initialized);
+  m.attr("_torch_version_built") = TORCH_VERSION;  // the torch headers this extension was compiled against
   m.def("device_count", [] { return static_cast<int>(torch_tpu::aten::DeviceCount()); });
   m.def("platform_name", [] { return Runtime::Get().client().platform_name(); });
   m.def("platform_version", [] { return Runtime::Get().client().platform_version(); });
@@ -105,11 +110,16 @@ PYBIND11_MODULE(_C, m) {
   m.def("max_memory_allocated", [] { return Runtime::Get().peak_allocated_bytes(); });
   m.def("reset_peak_memory_stats", [] { Runtime::Get().ResetPeak(); });
   m.def("memory_stats", &MemoryStats);
+  m.def("_total_memory", [](int index) { return Runtime::Get().TotalMemory(index); });
+  m.def("_memory_limit", [] { return Runtime::Get().memory_limit(); });
+  m.def("_set_memory_limit", [](int64_t bytes) { Runtime::Get().SetMemoryLimit(bytes); });
+  m.def("_idle", [] { return Runtime::Get().Idle(); });
+  m.def("_device_type", [] { return static_cast<int>(c10::DeviceType::PrivateUse1); });
   m.def("metrics", &Metrics);
   m.def("cache_dir", [] { return torch_tpu::runtime::DiskCache::Get().directory(); });
   m.def("cache_max_bytes", [] { return torch_tpu::runtime::DiskCache::Get().max_bytes(); });
   m.def("clear_executable_cache", [] {
-    torch_tpu::runtime::FlushFusedRegion();
+    torch_tpu::runtime::ClearFusedRegionCache();  // flushes the recorded region first
     torch_tpu::runtime::GlobalOpCache().Clear();
   });
   m.def("_fused_region_size", [] { return torch_tpu::runtime::FusedRegionSize(); });

@@ -7,8 +7,10 @@
 #include <c10/util/hash.h>
 
 #include <bit>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <stdexcept>
 #include <iostream>
 #include <unordered_set>
 
@@ -475,6 +477,7 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
       } else if (OnTpu(t)) {
         la.kind = LoweredArg::Kind::kTensor;
         la.dtype = t.scalar_type();
+        la.contiguous = t.is_contiguous();
         la.value = ReadTensor(t, slot(InputSlot::Kind::kStorage, ai, -1, hlo::ElementType::kF32));
       } else {
         la.kind = LoweredArg::Kind::kScalar;
@@ -590,6 +593,7 @@ std::unique_ptr<pjrt::Executable> CompileModule(const std::string& name, const s
   auto& rt = Runtime::Get();
   auto start = std::chrono::steady_clock::now();
   std::unique_ptr<pjrt::Executable> exe;
+  ProfileScope profile("tpu::compile", name);  // torch.profiler event
   try {
     exe = DiskCache::Get().LoadOrCompile(rt.client(), module_text, PortableOptions());
   } catch (const pjrt::Error& e) {
@@ -698,23 +702,41 @@ OpCache& GlobalOpCache() {
   return *cache;
 }
 
-const CompiledOp& OpCache::Lookup(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
-                                  const lowering::LoweringEntry& entry) {
+size_t MaxCachedExecutables() {
+  static const size_t limit = [] {
+    const char* e = std::getenv("TORCH_TPU_MAX_CACHED_EXECUTABLES");
+    if (!e || !*e) return size_t{4096};
+    char* end = nullptr;
+    errno = 0;
+    long long n = std::strtoll(e, &end, 10);
+    if (errno != 0 || *end != '\0' || n <= 0)
+      throw std::invalid_argument(std::string("TORCH_TPU_MAX_CACHED_EXECUTABLES must be a positive integer, got '") +
+                                  e + "'");
+    return static_cast<size_t>(n);
+  }();
+  return limit;
+}
+
+std::atomic<int64_t>& ExecutableEvictions() {
+  static std::atomic<int64_t> evictions{0};
+  return evictions;
+}
+
+std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
+                                                  const lowering::LoweringEntry& entry) {
   size_t num_args = op.schema().arguments().size();
   size_t first = stack.size() - num_args;
   thread_local OpKey key;
   BuildKey(op, stack, first, entry, key);
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = map_.find(key);
   auto& metrics = Runtime::Get().metrics();
-  if (it != map_.end()) {
+  if (auto hit = cache_.Find(key)) {
     metrics.cache_hits++;
-    return *it->second;
+    return hit;
   }
   metrics.cache_misses++;
-  auto compiled = Compile(op, stack, first, entry);
-  auto [pos, inserted] = map_.emplace(key, std::move(compiled));
-  return *pos->second;
+  std::shared_ptr<const CompiledOp> compiled = Compile(op, stack, first, entry);
+  return cache_.Insert(key, std::move(compiled));
 }
 
 DeviceStorage& StorageOf(const at::Tensor& t) {
@@ -799,7 +821,16 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
   LaunchInputs li = GatherInputs(op.inputs, arg_of, default_device);
 
   std::unique_ptr<pjrt::Event> done;
-  auto outs = op.executable->Execute(li.buffers, rt.device(li.device_index), {}, &done);
+  std::vector<std::unique_ptr<pjrt::Buffer>> outs;
+  {
+    ProfileScope profile("tpu::execute", op.name);  // torch.profiler event (waits while profiling)
+    try {
+      outs = op.executable->Execute(li.buffers, rt.device(li.device_index), {}, &done);
+    } catch (const pjrt::Error& e) {
+      RethrowDeviceError(e, op.name, li.device_index);  // RESOURCE_EXHAUSTED -> torch.OutOfMemoryError
+    }
+    profile.AwaitIfActive(done.get());
+  }
   rt.metrics().executions++;
 
   std::vector<at::Tensor> new_tensors;

@@ -11,7 +11,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include <atomic>
 #include <functional>
+#include <list>
 #include <memory>
 #include <optional>
 #include <mutex>
@@ -158,18 +160,92 @@ const at::Tensor& TensorOf(const ArgResolver& arg_of, int32_t call, int16_t arg,
 // share "add".
 std::string BaseName(const c10::FunctionSchema& schema);
 
+// The most compiled executables each in-memory cache keeps
+// (TORCH_TPU_MAX_CACHED_EXECUTABLES, a positive integer; default 4096). Each
+// XLA CPU executable holds ~3 memory mappings of JIT code: a process that
+// keeps ~20k of them reaches the default vm.max_map_count (65530) and LLVM
+// fails ("Cannot allocate memory"). 4096 holds the working set of an eager
+// training step (hundreds to a few thousand op signatures) with room to
+// spare, and bounds the single-op and fused-region caches together at
+// ~25k mappings. Throws std::invalid_argument naming the variable if it is
+// not a positive integer.
+size_t MaxCachedExecutables();
+// Executables dropped by the in-memory caches' least-recently-used
+// eviction (torch_tpu.metrics()["executable_cache_evictions"]).
+std::atomic<int64_t>& ExecutableEvictions();
+
+// A map bounded by MaxCachedExecutables(), evicting the least recently
+// used entry. Values are shared: an evicted entry lives on while a caller
+// (a launch in progress, a fused region that recorded it) holds it; the
+// PJRT executable it owns is destroyed with the last holder, and PJRT
+// frees the runtime executable only after its last execution completes
+// (PJRT_LoadedExecutable_Delete in pjrt_c_api.h). Not thread-safe: the
+// owner locks.
+template <typename Key, typename Value, typename Hash>
+class LruCache {
+ public:
+  // The entry, now the most recently used; nullptr if absent.
+  std::shared_ptr<Value> Find(const Key& key) {
+    auto it = map_.find(key);
+    if (it == map_.end()) return nullptr;
+    order_.splice(order_.begin(), order_, it->second.position);
+    return it->second.value;
+  }
+  // Inserts (or replaces) the entry as the most recently used and evicts
+  // the least recently used ones beyond the limit.
+  std::shared_ptr<Value> Insert(const Key& key, std::shared_ptr<Value> value) {
+    auto [it, inserted] = map_.try_emplace(key);
+    if (inserted) {
+      order_.push_front(&it->first);
+      it->second.position = order_.begin();
+    } else {
+      order_.splice(order_.begin(), order_, it->second.position);
+    }
+    it->second.value = std::move(value);
+    std::shared_ptr<Value> result = it->second.value;
+    const size_t limit = MaxCachedExecutables();
+    while (map_.size() > limit) {
+      const Key* oldest = order_.back();
+      order_.pop_back();
+      map_.erase(*oldest);
+      ExecutableEvictions()++;
+    }
+    return result;
+  }
+  size_t size() const { return map_.size(); }
+  void Clear() {
+    map_.clear();
+    order_.clear();
+  }
+
+ private:
+  struct Slot {
+    std::shared_ptr<Value> value;
+    typename std::list<const Key*>::iterator position;
+  };
+  std::unordered_map<Key, Slot, Hash> map_;  // node-based: key addresses are stable
+  std::list<const Key*> order_;              // most recently used first
+};
+
 class OpCache {
  public:
-  // The compiled op for this call (compiling on a miss). Throws
+  // The compiled op for this call (compiling on a miss); the caller holds
+  // it while launching it (it may be evicted meanwhile). Throws
   // UnsupportedOp where the call cannot be lowered.
-  const CompiledOp& Lookup(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
-                           const lowering::LoweringEntry& entry);
-  size_t size() const { return map_.size(); }
-  void Clear() { map_.clear(); }
+  std::shared_ptr<const CompiledOp> Lookup(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
+                                           const lowering::LoweringEntry& entry);
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return cache_.size();
+  }
+  void Clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    cache_.Clear();
+  }
 
  private:
   std::mutex mutex_;  // ops run on the Python thread and the autograd thread
-  std::unordered_map<OpKey, std::unique_ptr<CompiledOp>, OpKeyHash> map_;
+  LruCache<OpKey, const CompiledOp, OpKeyHash> cache_;
 };
 
 OpCache& GlobalOpCache();

@@ -130,19 +130,22 @@ std::vector<InputSnapshot> SnapshotInputs(const c10::OperatorHandle& op, const t
   return out;
 }
 
-// Raises if `t` holds NaN (Inf) that the op produced: its inputs held none.
+// Raises if `t` holds NaN or Inf that the op produced from finite inputs:
+// a NaN counts only when the inputs held neither NaN nor Inf (IEEE gives
+// NaN for inf - inf, 0 * inf, softmax over a row of -inf, as CPU does), an
+// Inf only when the inputs held no Inf.
 void CheckFinite(const std::string& op_name, const at::Tensor& t, const std::vector<InputSnapshot>& inputs,
                  NonFinite known) {
   if (!t.defined() || !at::isFloatingType(t.scalar_type()) || t.numel() == 0) return;
   NonFinite out = Scan(t.to(at::kCPU));
   if (!out.nan && !out.inf) return;
   for (const auto& in : inputs) {
-    if ((!out.nan || known.nan) && (!out.inf || known.inf)) break;
+    if ((!out.nan || known.nan || known.inf) && (!out.inf || known.inf)) break;
     NonFinite n = ScanSnapshot(in);
     known.nan |= n.nan;
     known.inf |= n.inf;
   }
-  bool produced_nan = out.nan && !known.nan, produced_inf = out.inf && !known.inf;
+  bool produced_nan = out.nan && !known.nan && !known.inf, produced_inf = out.inf && !known.inf;
   if (!produced_nan && !produced_inf) return;
   TORCH_CHECK(false, "tpu debug mode: ", op_name, " produced ", produced_nan ? "NaN" : "Inf",
               " from finite inputs in an output of shape ", t.sizes(), Where());
@@ -151,7 +154,8 @@ void CheckFinite(const std::string& op_name, const at::Tensor& t, const std::vec
 }  // namespace
 
 void RunDebug(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry) {
-  const CompiledOp& compiled = GlobalOpCache().Lookup(op, *stack, entry);
+  std::shared_ptr<const CompiledOp> held = GlobalOpCache().Lookup(op, *stack, entry);
+  const CompiledOp& compiled = *held;
   RunIndexChecks(op, *stack, entry, compiled.name);
   const size_t num_args = op.schema().arguments().size();
   const size_t first = stack->size() - num_args;

@@ -37,6 +37,8 @@ void RunFused(const c10::OperatorHandle& op, torch::jit::Stack* stack, const low
 void FlushFusedRegion();
 // Ops recorded in the current region.
 size_t FusedRegionSize();
+// Flushes the current region, then drops the compiled regions.
+void ClearFusedRegionCache();
 
 // Returns "file:line (function)" of the user's code calling into torch
 // (set by the Python module; empty when unknown).

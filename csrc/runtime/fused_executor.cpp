@@ -37,7 +37,7 @@ namespace {
 
 struct RecordedCall {
   c10::OperatorHandle op;
-  const CompiledOp* eager;          // validated single-op program (spec, fallback)
+  std::shared_ptr<const CompiledOp> eager;  // validated single-op program (spec, fallback)
   std::vector<c10::IValue> args;    // the call's arguments, kept alive until the flush
 };
 
@@ -89,9 +89,9 @@ class FusedExecutor {
     const size_t first = stack->size() - num_args;
     // Validates the call and gives its spec (throws UnsupportedOp before any
     // side effect: the caller then runs it on the CPU, a sync point).
-    const CompiledOp* eager;
+    std::shared_ptr<const CompiledOp> eager;
     try {
-      eager = &GlobalOpCache().Lookup(op, *stack, entry);
+      eager = GlobalOpCache().Lookup(op, *stack, entry);
     } catch (const UnsupportedOp&) {
       FlushLocked();
       throw;
@@ -147,6 +147,12 @@ class FusedExecutor {
     return calls_.size();
   }
 
+  void ClearCache() {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    FlushLocked();
+    regions_.Clear();
+  }
+
  private:
   static int CurrentDeviceIndex(const std::vector<c10::IValue>& args) {
     for (const auto& v : args)
@@ -172,17 +178,14 @@ class FusedExecutor {
 
     std::vector<c10::intrusive_ptr<c10::StorageImpl>> alive = AliveCreatedStorages();
     for (const auto& a : alive) key_.push_back(a ? 1 : 0);
-    CompiledRegion* region = nullptr;
-    auto it = regions_.find(key_);
+    std::shared_ptr<CompiledRegion> region = regions_.Find(key_);
     auto& metrics = Runtime::Get().metrics();
-    if (it != regions_.end()) {
+    if (region) {
       metrics.cache_hits++;
-      region = it->second.get();
     } else {
       metrics.cache_misses++;
       try {
-        auto built = Build(alive);
-        region = regions_.emplace(key_, std::move(built)).first->second.get();
+        region = regions_.Insert(key_, Build(alive));
       } catch (const std::exception& e) {
         TORCH_WARN_ONCE("torch_tpu: a fused region of ", calls_.size(),
                         " ops could not be compiled as one program; running its ops one by one (", e.what(), ")");
@@ -272,9 +275,18 @@ class FusedExecutor {
     };
     LaunchInputs li = GatherInputs(region.inputs, arg_of, CurrentDeviceIndex(calls_.front().args));
     std::unique_ptr<pjrt::Event> done;
-    auto outs = region.executable->Execute(li.buffers, rt.device(li.device_index), {}, &done);
-    rt.metrics().executions++;
     const std::string name = "fused region of " + std::to_string(calls_.size()) + " ops";
+    std::vector<std::unique_ptr<pjrt::Buffer>> outs;
+    {
+      ProfileScope profile("tpu::execute", name);  // torch.profiler event (waits while profiling)
+      try {
+        outs = region.executable->Execute(li.buffers, rt.device(li.device_index), {}, &done);
+      } catch (const pjrt::Error& e) {
+        RethrowDeviceError(e, name, li.device_index);  // RESOURCE_EXHAUSTED -> torch.OutOfMemoryError
+      }
+      profile.AwaitIfActive(done.get());
+    }
+    rt.metrics().executions++;
     for (size_t i = 0; i < region.outputs.size(); ++i) {
       const RegionOutput& o = region.outputs[i];
       StorageBuffer sb{std::shared_ptr<pjrt::Buffer>(std::move(outs[i])), o.element, o.numel, name};
@@ -314,7 +326,8 @@ class FusedExecutor {
   std::vector<CreatedStorage> created_;
   std::vector<int64_t> key_;
   StorageIds ids_;
-  std::unordered_map<std::vector<int64_t>, std::unique_ptr<CompiledRegion>, RegionKeyHash> regions_;
+  // Compiled regions by key, least recently used evicted (MaxCachedExecutables).
+  LruCache<std::vector<int64_t>, CompiledRegion, RegionKeyHash> regions_;
 };
 
 std::atomic<FusedExecutor*> instance{nullptr};
@@ -337,6 +350,10 @@ void RunFused(const c10::OperatorHandle& op, torch::jit::Stack* stack, const low
 
 void FlushFusedRegion() {
   if (FusedExecutor* e = instance.load()) e->Flush();
+}
+
+void ClearFusedRegionCache() {
+  if (FusedExecutor* e = instance.load()) e->ClearCache();
 }
 
 size_t FusedRegionSize() {

@@ -361,8 +361,10 @@ std::vector<at::Tensor> GraphProgram::Run(const std::vector<at::Tensor>& inputs)
     const DeviceStorage& s = StorageOf(t);
     int64_t storage_numel = s.initialized() ? s.current().numel
                                             : static_cast<int64_t>(s.nbytes() / ElementSize(info.element));
+    // A conjugate/negative view holds other values than its storage's: the
+    // clone materializes them.
     bool whole = t.is_contiguous() && t.storage_offset() == 0 && storage_numel == info.numel &&
-                 (!s.initialized() || s.current().element == info.element);
+                 (!s.initialized() || s.current().element == info.element) && !t.is_conj() && !t.is_neg();
     dense[i] = whole ? t : at::clone(t, at::MemoryFormat::Contiguous);
   }
   if (device_index < 0)

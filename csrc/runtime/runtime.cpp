@@ -1,9 +1,13 @@
 #include "runtime/runtime.h"
 
 #include <c10/util/Exception.h>
+#include <unistd.h>
 
+#include <cctype>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <vector>
 
 namespace torch_tpu::runtime {
@@ -45,7 +49,58 @@ size_t ElementSize(hlo::ElementType t) {
 
 DeviceStorage::DeviceStorage(size_t nbytes, int device_index)
     : nbytes_(nbytes), device_index_(device_index) {
-  Runtime::Get().OnAllocate(static_cast<int64_t>(nbytes));
+  Runtime::Get().OnAllocate(static_cast<int64_t>(nbytes), device_index);
+}
+
+namespace {
+
+std::string HumanBytes(int64_t n) {
+  static const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024.0 && u < 6) {
+    v /= 1024.0;
+    ++u;
+  }
+  char buf[64];
+  if (u == 0) std::snprintf(buf, sizeof(buf), "%lld bytes", static_cast<long long>(n));
+  else std::snprintf(buf, sizeof(buf), "%.2f %s", v, units[u]);
+  return buf;
+}
+
+// The N of "... allocating N bytes" in an XLA message, or -1.
+int64_t BytesInMessage(const std::string& message) {
+  auto pos = message.find("allocating ");
+  if (pos == std::string::npos) return -1;
+  pos += 11;
+  int64_t n = 0;
+  bool any = false;
+  while (pos < message.size() && std::isdigit(static_cast<unsigned char>(message[pos]))) {
+    n = n * 10 + (message[pos++] - '0');
+    any = true;
+  }
+  return any ? n : -1;
+}
+
+}  // namespace
+
+void ThrowOutOfMemory(int64_t requested, int device_index, const std::string& detail) {
+  std::string size = requested >= 0 ? HumanBytes(requested) + " (" + std::to_string(requested) + " bytes)"
+                                     : std::string("memory");
+  std::string where = device_index >= 0 ? " on tpu:" + std::to_string(device_index) : std::string();
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "tpu out of memory: tried to allocate ", size, where, ". ", detail);
+  throw std::logic_error("unreachable");
+}
+
+void RethrowDeviceError(const pjrt::Error& e, const std::string& what, int device_index) {
+  std::string message = e.what();
+  if (e.code() == PJRT_Error_Code_RESOURCE_EXHAUSTED ||
+      message.find("Out of memory") != std::string::npos) {
+    std::string detail = what + " failed: " + message;
+    if (instance) detail += " (" + HumanBytes(instance->allocated_bytes()) + " held by live tpu tensors)";
+    ThrowOutOfMemory(BytesInMessage(message), device_index, detail);
+  }
+  throw std::runtime_error("tpu: " + what + " failed: " + message);
 }
 
 DeviceStorage::~DeviceStorage() {
@@ -86,7 +141,10 @@ void FlushPendingWork() {
 
 const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element) {
   if (pending_) FlushPendingWork();
-  if (pending_) throw std::logic_error("tpu: a fused region left a storage without a value");
+  if (pending_)
+    throw std::runtime_error(
+        "tpu: this tensor has no value: the fused region that was to compute it failed (the error was raised "
+        "when it ran)");
   if (current_.buffer) {
     if (ElementSize(current_.element) != ElementSize(element))
       throw std::runtime_error(std::string("tpu storage holds ") + std::string(hlo::MlirName(current_.element)) +
@@ -94,7 +152,13 @@ const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element) {
     return current_;
   }
   int64_t numel = static_cast<int64_t>(nbytes_ / ElementSize(element));
-  std::vector<char> zeros(static_cast<size_t>(numel) * ElementSize(element), 0);
+  std::vector<char> zeros;
+  try {
+    zeros.assign(static_cast<size_t>(numel) * ElementSize(element), 0);
+  } catch (const std::bad_alloc&) {
+    ThrowOutOfMemory(static_cast<int64_t>(nbytes_), device_index_,
+                     "The zeros of a never-written storage are staged on the host, which could not allocate them.");
+  }
   int64_t dims[] = {numel};
   current_.buffer = Runtime::Get().Upload(zeros.data(), element, dims, device_index_);
   current_.element = element;
@@ -144,7 +208,12 @@ std::shared_ptr<pjrt::Buffer> Runtime::Upload(const void* data, hlo::ElementType
   int64_t n = 1;
   for (int64_t d : dims) n *= d;
   metrics_.host_to_device_bytes += n * static_cast<int64_t>(ElementSize(element));
-  return client_->BufferFromHost(data, ToPjrtType(element), dims, device(device_index));
+  try {
+    return client_->BufferFromHost(data, ToPjrtType(element), dims, device(device_index));
+  } catch (const pjrt::Error& e) {
+    RethrowDeviceError(e, "a host-to-device copy of " + HumanBytes(n * static_cast<int64_t>(ElementSize(element))),
+                       device_index);
+  }
 }
 
 std::shared_ptr<pjrt::Buffer> Runtime::ScalarBuffer(const void* bytes, hlo::ElementType element,
@@ -165,7 +234,7 @@ void Runtime::Download(const StorageBuffer& buffer, void* dst, size_t nbytes) {
   try {
     buffer.buffer->ToHost(dst, nbytes);
   } catch (const pjrt::Error& e) {
-    throw std::runtime_error("tpu: " + buffer.producer + " failed: " + e.what());
+    RethrowDeviceError(e, buffer.producer, -1);
   }
 }
 
@@ -205,15 +274,19 @@ void Runtime::Sync() {
     std::lock_guard<std::mutex> lock(inflight_mutex_);
     pending.swap(inflight_);
   }
-  std::string first_error;
+  std::optional<pjrt::Error> first_error;
+  std::string first_name;
   for (auto& [event, name] : pending) {
     try {
       event->Await();
     } catch (const pjrt::Error& e) {
-      if (first_error.empty()) first_error = "tpu: " + name + " failed: " + e.what();
+      if (!first_error) {
+        first_error = e;
+        first_name = name;
+      }
     }
   }
-  if (!first_error.empty()) throw std::runtime_error(first_error);
+  if (first_error) RethrowDeviceError(*first_error, first_name, -1);
   std::vector<std::pair<std::shared_ptr<pjrt::Buffer>, std::string>> checks;
   {
     std::lock_guard<std::mutex> lock(checks_mutex_);
@@ -226,7 +299,44 @@ void Runtime::Sync() {
   }
 }
 
-void Runtime::OnAllocate(int64_t nbytes) {
+bool Runtime::Idle() {
+  std::lock_guard<std::mutex> lock(inflight_mutex_);
+  for (const auto& [event, name] : inflight_)
+    if (!event->IsReady()) return false;
+  return true;
+}
+
+int64_t Runtime::TotalMemory(int device_index) {
+  const bool cacheable = device_index >= 0 && device_index < kMaxDevices;
+  if (cacheable) {
+    int64_t known = total_memory_[device_index].load(std::memory_order_relaxed);
+    if (known >= 0) return known;
+  }
+  int64_t total = 0;
+  auto stats = client_->memory_stats(device(device_index));
+  if (stats && stats->bytes_limit) {
+    total = *stats->bytes_limit;
+  } else if (client_->platform_name() == "cpu") {
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    if (pages > 0 && page > 0) total = static_cast<int64_t>(pages) * page;
+  }
+  if (cacheable) total_memory_[device_index].store(total, std::memory_order_relaxed);
+  return total;
+}
+
+void Runtime::OnAllocate(int64_t nbytes, int device_index) {
+  int64_t held = allocated_.load();
+  int64_t limit = limit_.load();
+  if (limit > 0 && nbytes > 0 && held + nbytes > limit)
+    ThrowOutOfMemory(nbytes, device_index,
+                     "Live tpu tensors hold " + HumanBytes(held) + " and the limit set by "
+                     "torch.tpu.set_per_process_memory_fraction is " + HumanBytes(limit) + ".");
+  int64_t total = nbytes > 0 ? TotalMemory(device_index) : 0;
+  if (total > 0 && held + nbytes > total)
+    ThrowOutOfMemory(nbytes, device_index,
+                     "The device has " + HumanBytes(total) + " in total" +
+                         (client_->platform_name() == "cpu" ? " (the host's memory, for the CPU plugin)" : "") +
+                         " and live tpu tensors hold " + HumanBytes(held) + ".");
   int64_t now = allocated_ += nbytes;
   ++num_allocs_;
   int64_t peak = peak_.load();

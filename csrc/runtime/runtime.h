@@ -11,6 +11,8 @@
 #include <mutex>
 #include <string>
 
+#include <ATen/record_function.h>
+
 #include "hlo/builder.h"
 #include "pjrt/pjrt.h"
 
@@ -131,16 +133,34 @@ class Runtime {
   void Track(std::unique_ptr<pjrt::Event> event, std::string op_name);
   void Sync();
 
-  // Memory accounting of live storages (bytes).
-  void OnAllocate(int64_t nbytes);
+  // True when every tracked launch has completed (failed ones included).
+  bool Idle();
+
+  // Memory accounting of live storages (bytes). OnAllocate throws
+  // c10::OutOfMemoryError (torch.OutOfMemoryError), naming the size and the
+  // device, when the live storages plus `nbytes` would exceed the device's
+  // total memory (TotalMemory) or the limit set by SetMemoryLimit; nothing is
+  // counted then.
+  void OnAllocate(int64_t nbytes, int device_index);
   void OnFree(int64_t nbytes);
   int64_t allocated_bytes() const { return allocated_.load(); }
   int64_t peak_allocated_bytes() const { return peak_.load(); }
   int64_t num_allocs() const { return num_allocs_.load(); }
   void ResetPeak() { peak_.store(allocated_.load()); }
+  // Bytes of memory of a device: PJRT_Device_MemoryStats' bytes_limit where
+  // the plugin reports it; on the CPU plugin (which does not implement it)
+  // the host's physical memory; 0 where unknown (then only the limit below
+  // applies).
+  int64_t TotalMemory(int device_index);
+  // Limit on the bytes of live storages (torch.tpu.set_per_process_memory_fraction);
+  // 0 removes it.
+  void SetMemoryLimit(int64_t bytes) { limit_.store(bytes); }
+  int64_t memory_limit() const { return limit_.load(); }
 
  private:
-  Runtime() = default;
+  Runtime() {
+    for (auto& t : total_memory_) t.store(-1);
+  }
   std::shared_ptr<pjrt::Client> client_;
   pjrt::CompileOptions compile_options_;
   Metrics metrics_;
@@ -156,7 +176,44 @@ class Runtime {
   std::vector<std::pair<std::shared_ptr<pjrt::Buffer>, std::string>> checks_;
   std::mutex inflight_mutex_;
   std::deque<std::pair<std::unique_ptr<pjrt::Event>, std::string>> inflight_;
-  std::atomic<int64_t> allocated_{0}, peak_{0}, num_allocs_{0};
+  std::atomic<int64_t> allocated_{0}, peak_{0}, num_allocs_{0}, limit_{0};
+  static constexpr int kMaxDevices = 256;
+  std::atomic<int64_t> total_memory_[kMaxDevices];  // TotalMemory per device; -1 until asked
+};
+
+// Throws c10::OutOfMemoryError: "tpu out of memory: tried to allocate
+// <size> (<n> bytes) on tpu:<device>" followed by `detail`.
+[[noreturn]] void ThrowOutOfMemory(int64_t requested, int device_index, const std::string& detail);
+// A PJRT failure of `what` (an op name) on a device: RESOURCE_EXHAUSTED
+// becomes c10::OutOfMemoryError naming the size the plugin reports ("Out of
+// memory allocating N bytes") and the device; anything else is rethrown as
+// std::runtime_error "tpu: <what> failed: <plugin message>".
+[[noreturn]] void RethrowDeviceError(const pjrt::Error& e, const std::string& what, int device_index);
+
+// A torch.profiler event named "<kind> <name>" (e.g. "tpu::execute
+// aten::add.Tensor") lasting the scope. With no profiler (no RecordFunction
+// callbacks) the cost is at::RecordFunction's thread-local check and `name`
+// is not copied.
+class ProfileScope {
+ public:
+  ProfileScope(const char* kind, const std::string& name) : guard_(at::RecordScope::FUNCTION) {
+    if (guard_.isActive()) guard_.before(std::string(kind) + " " + name);
+  }
+  bool active() const { return guard_.isActive(); }
+  // While profiling, waits for a launch to complete, so that the event lasts
+  // the execution and not only the enqueueing (launches are asynchronous).
+  // A failure is not raised here: the tracked event reports it at the next
+  // sync point.
+  void AwaitIfActive(pjrt::Event* done) {
+    if (!done || !guard_.isActive()) return;
+    try {
+      done->Await();
+    } catch (const pjrt::Error&) {
+    }
+  }
+
+ private:
+  at::RecordFunction guard_;
 };
 
 // Element type <-> PJRT buffer type.

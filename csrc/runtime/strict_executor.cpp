@@ -8,8 +8,8 @@
 namespace torch_tpu::runtime {
 
 void RunStrict(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry) {
-  const CompiledOp& compiled = GlobalOpCache().Lookup(op, *stack, entry);
-  Launch(compiled, *stack, op.schema().arguments().size());
+  std::shared_ptr<const CompiledOp> compiled = GlobalOpCache().Lookup(op, *stack, entry);
+  Launch(*compiled, *stack, op.schema().arguments().size());
 }
 
 }  // namespace torch_tpu::runtime

@@ -198,29 +198,31 @@ def test_plugin_that_is_not_a_plugin_names_path(tmp_path):
 
 
 # An op with no lowering (checked below): it runs on the CPU.
-UNLOWERED = "histc"
+UNLOWERED = "special_bessel_j0"
 
 
 def test_cpu_fallback_warns_once_and_counts():
     assert UNLOWERED not in torch_tpu._C.lowered_ops()
 
     def count():
-        return sum(v for k, v in torch_tpu.metrics()["cpu_fallbacks"].items() if k.startswith("aten::histc"))
+        return sum(v for k, v in torch_tpu.metrics()["cpu_fallbacks"].items()
+                   if k.startswith(f"aten::{UNLOWERED}"))
     before = count()
     x = torch.randn(50)
-    with pytest.warns(UserWarning, match="histc"):
-        h = torch.histc(x.to("tpu"), bins=5, min=-2, max=2)
-    assert h.device.type == "tpu"
-    assert torch.equal(h.cpu(), torch.histc(x, bins=5, min=-2, max=2))
-    torch.histc(x.to("tpu"), bins=3)
+    with pytest.warns(UserWarning, match=UNLOWERED):
+        y = torch.special.bessel_j0(x.to("tpu"))
+    assert y.device.type == "tpu"
+    # The fallback runs PyTorch's CPU kernel on the same values: bit-identical.
+    assert torch.equal(y.cpu(), torch.special.bessel_j0(x))
+    torch.special.bessel_j0(x.to("tpu") * 2)
     assert count() == before + 2
 
 
 def test_cpu_fallback_disabled_names_op():
-    r = run_python("import torch, torch_tpu; torch.histc(torch.ones(3, device='tpu'), bins=2)",
+    r = run_python("import torch, torch_tpu; torch.special.bessel_j0(torch.ones(3, device='tpu'))",
                    env={"TORCH_TPU_CPU_FALLBACK": "0"})
     assert r.returncode != 0
-    assert "aten::histc" in r.stderr and "TORCH_TPU_CPU_FALLBACK" in r.stderr
+    assert f"aten::{UNLOWERED}" in r.stderr and "TORCH_TPU_CPU_FALLBACK" in r.stderr
 
 
 def test_metrics_keys():
@@ -269,3 +271,208 @@ def test_bad_plugin_path_prints_one_error():
     assert r.returncode != 0
     assert "/nonexistent/plugin.so" in r.stderr
     assert "atexit" not in r.stderr
+
+
+# --- torch.cuda parity: memory figures, properties, streams and events ---
+
+def test_memory_reserved_and_mem_get_info():
+    torch.tpu.synchronize()
+    x = torch.ones(1000, device="tpu")
+    stats = torch.tpu.memory_stats()
+    if "device.bytes_in_use" in stats:  # the plugin reports its own figures
+        assert torch.tpu.memory_reserved() == stats["device.bytes_in_use"]
+    else:  # the CPU plugin: no caching allocator, reserved = allocated
+        assert torch.tpu.memory_reserved() == torch.tpu.memory_allocated()
+        assert torch.tpu.max_memory_reserved() == torch.tpu.max_memory_allocated()
+    free, total = torch.tpu.mem_get_info()
+    assert 0 < free <= total
+    assert total == torch.tpu.get_device_properties().total_memory == stats["device.total_memory"]
+    if torch_tpu._C.platform_name() == "cpu" and "device.bytes_limit" not in stats:
+        import os
+        assert total == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    summary = torch.tpu.memory_summary()
+    assert "tpu:0" in summary and "tensors allocated (current)" in summary
+    del x
+
+
+def test_device_properties_and_capability():
+    p = torch.tpu.get_device_properties(0)
+    assert p.name == torch.tpu.get_device_name(0)
+    assert p.platform == torch_tpu._C.platform_name() and p.kind == torch_tpu._C.device_kind(0)
+    assert p.total_memory > 0 and "total_memory=" in repr(p)
+    assert torch.tpu.get_device_capability() == (p.major, p.minor) == (0, 0)
+    assert torch.tpu.is_bf16_supported()
+    with pytest.raises(IndexError, match="out of range"):
+        torch.tpu.get_device_properties(10_000)
+
+
+def test_streams_are_the_one_queue_of_a_device():
+    s = torch.tpu.current_stream()
+    assert isinstance(s, torch.Stream) and s.device == torch.device("tpu", 0)
+    assert s == torch.tpu.default_stream() == torch.tpu.Stream() == torch.accelerator.current_stream()
+    x = torch.randn(8, 8)
+    with torch.tpu.stream(s):
+        y = x.to("tpu") @ x.to("tpu")
+    s.synchronize()
+    assert s.query()
+    torch.testing.assert_close(y.cpu(), x @ x)
+    s.wait_stream(torch.tpu.default_stream())
+    ev = s.record_event()
+    s.wait_event(ev)
+    assert isinstance(ev, torch.tpu.Event)
+    with pytest.raises(ValueError, match="tpu stream"):
+        torch.tpu.set_stream(torch.Stream("cpu"))
+
+
+def test_event_timing_measures_the_work_between_records():
+    import time
+    start, end = torch.tpu.Event(enable_timing=True), torch.tpu.Event(enable_timing=True)
+    x = torch.randn(128, 128).to("tpu")
+    (x @ x).cpu()  # compile outside the timed span
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        x = x @ x / 128
+    end.record()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    ms = start.elapsed_time(end)
+    assert 0 < ms <= host_ms + 1.0
+    assert end.query()
+    end.synchronize()
+    untimed = torch.tpu.Event()
+    untimed.record()
+    with pytest.raises(RuntimeError, match="enable_timing"):
+        start.elapsed_time(untimed)
+    with pytest.raises(RuntimeError, match="not been recorded"):
+        start.elapsed_time(torch.tpu.Event(enable_timing=True))
+
+
+# --- out of memory and failed ops ---
+
+def test_allocation_larger_than_the_device_raises_out_of_memory():
+    before = torch.tpu.memory_allocated()
+    with pytest.raises(torch.OutOfMemoryError, match=r"tried to allocate 32\.00 TiB \(35184372088832 bytes\) on tpu:0"):
+        torch.empty(2**45, dtype=torch.uint8, device="tpu")
+    assert torch.tpu.memory_allocated() == before
+    assert torch.tpu.OutOfMemoryError is torch.OutOfMemoryError
+    assert (torch.ones(2, device="tpu") + 1).cpu().tolist() == [2.0, 2.0]  # still usable
+
+
+def test_launch_out_of_memory_raises_out_of_memory_naming_size_and_op():
+    # The output (64 TiB) is allocated by PJRT at launch: RESOURCE_EXHAUSTED
+    # becomes torch.OutOfMemoryError.
+    x = torch.ones(1, dtype=torch.uint8, device="tpu").expand(2**46)
+    with torch_tpu.eager_mode("strict"):
+        with pytest.raises(torch.OutOfMemoryError, match=r"70368744177664 bytes\) on tpu:0.*aten::add"):
+            x + 1
+    assert (x[:3] + 1).cpu().tolist() == [2, 2, 2]
+
+
+def test_per_process_memory_fraction_limits_allocations():
+    torch.tpu.synchronize()
+    total = torch.tpu.mem_get_info()[1]
+    held = torch.tpu.memory_allocated()
+    fraction = (held + 2**20) / total  # room for 1 MiB more
+    torch.tpu.set_per_process_memory_fraction(fraction)
+    try:
+        assert abs(torch.tpu.get_per_process_memory_fraction() - fraction) < 1e-9
+        ok = torch.empty(2**19, dtype=torch.uint8, device="tpu")
+        with pytest.raises(torch.OutOfMemoryError, match=r"2\.00 MiB \(2097152 bytes\).*set_per_process_memory_fraction"):
+            torch.empty(2**21, dtype=torch.uint8, device="tpu")
+        del ok
+    finally:
+        torch.tpu.set_per_process_memory_fraction(1.0)
+    assert torch.tpu.get_per_process_memory_fraction() == 1.0
+    with pytest.raises(ValueError, match="fraction"):
+        torch.tpu.set_per_process_memory_fraction(1.5)
+    torch.empty(2**21, dtype=torch.uint8, device="tpu")
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_using_the_output_of_an_asynchronously_failed_op_raises(mode):
+    # An out-of-range index is found by the launched program (XLA clamps):
+    # the failure is asynchronous; reading the output, or a value computed
+    # from it, raises naming the failed op instead of returning clamped data
+    # or hanging.
+    x = torch.arange(5.0).to("tpu")
+    bad = torch.tensor([7]).to("tpu")
+    with torch_tpu.eager_mode(mode):
+        y = x[bad]
+        with pytest.raises(IndexError, match="aten::index.Tensor: index out of range"):
+            y.cpu()
+        z = x[bad] * 2
+        with pytest.raises(IndexError, match="aten::index.Tensor"):
+            z.cpu()
+        assert (x + 1).cpu().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]  # the device still works
+
+
+# --- safetensors with device="tpu" (torch_tpu/_safetensors.py) ---
+
+def _safetensors_sample() -> dict:
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, 3.0e38, -1.5])
+    return {
+        "f32": torch.randn(4, 5, generator=torch.Generator().manual_seed(0)),
+        "bf16": torch.cat([special, torch.randn(8)]).to(torch.bfloat16),
+        "f16": special.to(torch.float16),
+        "i64": torch.tensor([-(2**63), 2**63 - 1, 0, -1, 2**40 + 3]),
+        "i32": torch.arange(-6, 6, dtype=torch.int32).reshape(3, 4),
+        "u8": torch.arange(0, 256, 17, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+    }
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.cpu()
+    if t.dtype.is_floating_point:
+        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+@pytest.mark.parametrize("device", ["tpu", "tpu:0", torch.device("tpu"), torch.device("tpu", 0)], ids=str)
+def test_safetensors_load_file_on_tpu_is_bit_exact(tmp_path, device):
+    from safetensors.torch import load_file, save_file
+    tensors = _safetensors_sample()
+    path = str(tmp_path / "w.safetensors")
+    save_file(tensors, path)
+    loaded = load_file(path, device=device)
+    assert sorted(loaded) == sorted(tensors)
+    for k, v in tensors.items():
+        assert loaded[k].device == torch.device("tpu", 0) and loaded[k].dtype == v.dtype and loaded[k].shape == v.shape
+        assert torch.equal(_bits(loaded[k]), _bits(v)), k
+    # saving tpu tensors round-trips as well
+    path2 = str(tmp_path / "w2.safetensors")
+    save_file(loaded, path2)
+    again = load_file(path2)
+    for k, v in tensors.items():
+        assert again[k].device.type == "cpu" and torch.equal(_bits(again[k]), _bits(v)), k
+
+
+def test_safetensors_safe_open_on_tpu_and_other_devices_unchanged(tmp_path):
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file, save_file
+    tensors = _safetensors_sample()
+    path = str(tmp_path / "w.safetensors")
+    save_file(tensors, path)
+    with safe_open(path, framework="pt", device="tpu") as f:
+        t = f.get_tensor("i64")
+        s = f.get_slice("f32")[1:3]
+    assert t.device.type == "tpu" and torch.equal(t.cpu(), tensors["i64"])
+    assert torch.equal(s.cpu(), tensors["f32"][1:3])
+    assert load_file(path, device="cpu")["bf16"].device.type == "cpu"
+    with pytest.raises(SafetensorError, match="invalid"):
+        load_file(path, device="tpux")
+
+
+def test_safetensors_imported_before_torch(tmp_path):
+    path = str(tmp_path / "w.safetensors")
+    from safetensors.torch import save_file
+    save_file({"w": torch.arange(6, dtype=torch.int64).reshape(2, 3)}, path)
+    # (a name bound by `from safetensors import safe_open` before torch is
+    # imported keeps the original, which refuses "tpu")
+    r = run_python("import safetensors; import torch; from safetensors import safe_open; "
+                   "from safetensors.torch import load_file; "
+                   f"w = load_file({path!r}, device='tpu')['w']; "
+                   f"g = safe_open({path!r}, 'pt', device='tpu:0').get_tensor('w'); "
+                   "print(w.device, g.device, w.cpu().tolist())")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["tpu:0", "tpu:0", "[[0,", "1,", "2],", "[3,", "4,", "5]]"]

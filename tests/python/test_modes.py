@@ -76,6 +76,19 @@ def test_debug_allows_non_finite_values_taken_from_inputs():
     assert torch.isnan(doubled.cpu()[1])
 
 
+def test_debug_allows_nan_from_infinite_inputs():
+    # softmax over a row that is all -inf gives NaN on CPU too (inf - inf):
+    # the inputs were not finite, so debug mode must not raise.
+    scores = torch.zeros(2, 3)
+    scores[0] = float("-inf")
+    inf_minus_inf = torch.tensor([float("inf"), 1.0])
+    with torch_tpu.eager_mode("debug"):
+        probs = torch.softmax(scores.to("tpu"), dim=-1)
+        diff = inf_minus_inf.to("tpu") - inf_minus_inf.to("tpu")
+    torch.testing.assert_close(probs.cpu(), torch.softmax(scores, dim=-1), equal_nan=True)
+    torch.testing.assert_close(diff.cpu(), inf_minus_inf - inf_minus_inf, equal_nan=True)
+
+
 def test_strict_nan_is_a_value_like_cpu():
     x = torch.tensor([1.0, -1.0])
     torch.testing.assert_close(torch.log(x.to("tpu")).cpu(), torch.log(x), equal_nan=True)
