@@ -22,12 +22,35 @@ import sys
 import torch
 
 from . import _plugin
-from . import _C
+
+try:
+    from . import _C
+except ImportError as _e:  # an extension built for another torch, or a broken build
+    raise ImportError(
+        f"torch_tpu's C++ extension (torch_tpu._C) cannot be loaded: {_e}. It must be built against the "
+        f"installed torch {torch.__version__}: rebuild it (`make build`) or install the torch version "
+        f"torch_tpu requires.") from _e
 from . import _cache  # noqa: F401  (saves cache counters at exit)
 
 __version__ = "0.1.0"
 
-_C._set_plugin_path(_plugin.discover())
+
+
+def _cli_mode() -> bool:
+    """True under ``python -m torch_tpu ...``: a plugin that cannot be found
+    is then reported by the command (``doctor`` names it) instead of failing
+    the import."""
+    argv = list(getattr(sys, "orig_argv", ()))
+    return any(a == "-m" and argv[i + 1:i + 2] == ["torch_tpu"] for i, a in enumerate(argv))
+
+
+_plugin_error: Exception | None = None  # why no plugin was found (CLI mode only)
+try:
+    _C._set_plugin_path(_plugin.discover())
+except _plugin.PluginNotFoundError as _e:
+    if not _cli_mode():
+        raise
+    _plugin_error = _e
 
 if torch._C._get_privateuse1_backend_name() != "tpu":
     torch.utils.rename_privateuse1_backend("tpu")
@@ -60,6 +83,12 @@ def _install_print_hook() -> None:
 
 
 _install_print_hook()
+
+from . import _integrations  # noqa: E402
+
+# accelerate's default device (Trainer, Accelerator) becomes tpu, and
+# safetensors' safe_open/load_file accept device="tpu": see _integrations.py.
+_integrations.install()
 
 _PACKAGE_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules[__name__]))

@@ -1,0 +1,123 @@
+"""Making third-party libraries pick the tpu device where they cannot know it.
+
+Hugging Face accelerate (checked with 1.15.0) chooses its single-process
+device in ``PartialState.default_device`` from a fixed list of backends (mps,
+mlu, sdaa, musa, npu, hpu, cuda, xpu, neuron, else cpu) and never asks
+``torch.accelerator``. transformers' ``TrainingArguments.device`` does ask it
+(``is_torch_tpu_available``) and answers ``tpu:0``, so a ``Trainer`` first
+moves the model to tpu, then ``Accelerator.prepare`` moves it back to
+accelerate's device, cpu, while the Trainer sends the batches to tpu: the
+first forward fails with "Expected all tensors to be on the same device".
+
+The fix is made where the choice is made: when ``accelerate.state`` is
+imported, its ``PartialState.default_device`` is wrapped so that, where the
+original answers cpu and the current torch accelerator is the tpu device, it
+answers ``tpu:<current device>``. ``Accelerator(cpu=True)`` /
+``TrainingArguments(use_cpu=True)`` still give cpu (accelerate only consults
+``default_device`` when cpu was not requested), and ``ACCELERATE_TORCH_DEVICE``
+still takes precedence (accelerate reads it before ``default_device``).
+
+The wrapper is installed by a ``sys.meta_path`` finder that wraps only the
+loader of ``accelerate.state``; nothing is imported ahead of the user.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import sys
+
+import torch
+
+_TARGET = "accelerate.state"
+
+
+def _tpu_default_device():
+    """tpu:<current device> if the current torch accelerator is tpu and available, else None."""
+    try:
+        acc = torch.accelerator.current_accelerator()
+    except RuntimeError:
+        return None
+    if acc is None or acc.type != "tpu" or not torch.accelerator.is_available():
+        return None
+    return torch.device("tpu", torch.tpu.current_device())
+
+
+def _patch_accelerate_state(module) -> None:
+    cls = getattr(module, "PartialState", None)
+    prop = getattr(cls, "default_device", None) if cls is not None else None
+    if not isinstance(prop, property) or getattr(prop.fget, "_torch_tpu", False):
+        return
+    original = prop.fget
+
+    def default_device(self) -> torch.device:
+        device = original(self)
+        if device.type == "cpu":
+            tpu = _tpu_default_device()
+            if tpu is not None:
+                return tpu
+        return device
+
+    default_device._torch_tpu = True
+    default_device.__doc__ = (original.__doc__ or "") + (
+        "\n        (torch_tpu: the tpu device where the current torch accelerator is tpu.)\n")
+    cls.default_device = property(default_device)
+
+
+class _Loader(importlib.abc.Loader):
+    """Runs the real loader, then the module's patch."""
+
+    def __init__(self, loader, patch):
+        self._loader = loader
+        self._patch = patch
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        self._patch(module)
+
+    def __getattr__(self, name):  # get_source, get_code, ... for tracebacks and tools
+        return getattr(self._loader, name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of each module in `patches` (module name -> patch
+    function taking the module)."""
+
+    def __init__(self, patches):
+        self.patches = patches
+
+    def find_spec(self, fullname, path, target=None):
+        patch = self.patches.get(fullname)
+        if patch is None:
+            return None
+        # The spec the other finders would give (editable installs, zips, ...).
+        spec = None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _Loader(spec.loader, patch)
+        return spec
+
+
+def install() -> None:
+    """Patches each library now if it is already imported, else when it is:
+    accelerate's default device (above) and safetensors' device argument
+    (torch_tpu/_safetensors.py)."""
+    from . import _safetensors
+
+    patches = {_TARGET: _patch_accelerate_state, _safetensors.TARGET: _safetensors.patch}
+    pending = {}
+    for name, patch in patches.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
+        else:
+            pending[name] = patch
+    if pending and not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder(pending))
