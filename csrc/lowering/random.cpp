@@ -1,6 +1,6 @@
 // Random sampling: uniform_, normal (in-place and functional overloads),
-// bernoulli, random_, exponential_. torch.rand/randn/randint/rand_like/
-// dropout masks reach these through empty + the in-place op.
+// bernoulli, random_, exponential_, multinomial. torch.rand/randn/randint/
+// rand_like/dropout masks reach these through empty + the in-place op.
 //
 // Bits come from stablehlo.rng_bit_generator (THREE_FRY) seeded with the op's
 // generator state (seed, offset); the executor advances the generator's
@@ -27,21 +27,32 @@ Value Out(Builder& b, const Value& v, const OutputSpec& spec) { return Fit(b, Ca
 
 // Uniform values in [0, 1) of `dims`: f32 from 32 random bits (23 mantissa
 // bits) or, for f64 outputs, f64 from 64 bits (52 mantissa bits).
-Value Uniform(LoweringContext& ctx, std::span<const int64_t> dims, bool f64) {
-  auto& b = ctx.b;
+Value UniformFrom(Builder& b, const Value& rng_state, std::span<const int64_t> dims, bool f64) {
   std::vector<int64_t> d(dims.begin(), dims.end());
   if (f64) {
-    auto [state, bits] = b.RngBitGenerator(ctx.rng_state(), TensorType{ElementType::kU64, d});
+    auto [state, bits] = b.RngBitGenerator(rng_state, TensorType{ElementType::kU64, d});
     Value sh = b.Binary("stablehlo.shift_right_logical", bits, b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU64, {}}, 12), d, {}));
     Value one = b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU64, {}}, 0x3FF0000000000000LL), d, {});
     Value f = b.BitcastConvert(b.Or(sh, one), ElementType::kF64);
     return b.Sub(f, ConstLike(b, f, 1.0));
   }
-  auto [state, bits] = b.RngBitGenerator(ctx.rng_state(), TensorType{ElementType::kU32, d});
+  auto [state, bits] = b.RngBitGenerator(rng_state, TensorType{ElementType::kU32, d});
   Value sh = b.Binary("stablehlo.shift_right_logical", bits, b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU32, {}}, 9), d, {}));
   Value one = b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU32, {}}, 0x3F800000), d, {});
   Value f = b.BitcastConvert(b.Or(sh, one), ElementType::kF32);
   return b.Sub(f, ConstLike(b, f, 1.0));
+}
+Value Uniform(LoweringContext& ctx, std::span<const int64_t> dims, bool f64) {
+  return UniformFrom(ctx.b, ctx.rng_state(), dims, f64);
+}
+
+// A THREE_FRY state of its own for an op that draws more values than its
+// output has elements (the executor advances the generator's offset by the
+// output size only): the first 128 bits of the op's stream become the key
+// and counter of a new stream, so the next op's (offset + output size)
+// never replays values this op used.
+Value OwnStream(LoweringContext& ctx) {
+  return ctx.b.RngBitGenerator(ctx.rng_state(), TensorType{ElementType::kU64, {2}}).second;
 }
 
 bool WantsF64(at::ScalarType t) { return t == at::kDouble; }
@@ -179,9 +190,71 @@ std::vector<Value> LowerExponential(LoweringContext& ctx) {
   return {Out(b, Cast(b, r, t), out)};
 }
 
+// multinomial(self [n] or [B, n] of non-negative weights, num_samples k,
+// replacement) -> int64 [k] or [B, k], by exponential races: with
+// E_i ~ Exp(1), argmax_i w_i / E_i picks i with probability w_i / sum(w)
+// (the Gumbel-max trick). Without replacement the k largest keys of one
+// race, in decreasing order, are a weighted sample without replacement —
+// PyTorch's own CPU/CUDA algorithm (aten/src/ATen/native/Distributions.cpp,
+// multinomial). With replacement each sample runs its own race. Zero-weight
+// categories are never drawn. PyTorch's checks that need the values
+// (negative, inf or NaN weights, fewer non-zero categories than k without
+// replacement) are not made on tpu: such inputs give unspecified indices.
+std::vector<Value> LowerMultinomial(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  Value w = ctx.tensor("self");
+  const bool replacement = ctx.has("replacement") && ctx.bool_arg("replacement");
+  const int64_t k = ctx.int_arg("num_samples");
+  const bool batched = w.rank() == 2;
+  const int64_t rows = batched ? w.dims()[0] : 1, n = w.dims().back();
+  if (rows * k == 0 || n == 0) return {Const(b, ElementType::kS64, 0, out.sizes)};
+  const at::ScalarType t = FloatCompute(ctx.arg("self").dtype);
+  w = b.Reshape(Cast(b, w, t), std::vector<int64_t>{rows, n});
+  const Value stream = OwnStream(ctx);
+  auto race = [&](const std::vector<int64_t>& dims, const Value& weights) {
+    Value u = Cast(b, UniformFrom(b, stream, dims, t == at::kDouble), t);
+    Value e = b.Neg(b.Unary("stablehlo.log_plus_one", b.Neg(u)));  // Exp(1), >= 0
+    Value key = b.Div(weights, e);  // w / 0 = inf for w > 0: that category wins
+    Value positive = b.Compare(weights, ConstLike(b, weights, 0), CompareDirection::kGT);
+    return b.Select(positive, key, ConstLike(b, key, -1));
+  };
+  Value idx;
+  if (replacement) {
+    std::vector<int64_t> dims{rows, k, n};
+    Value key = race(dims, b.BroadcastInDim(w, dims, std::vector<int64_t>{0, 2}));
+    // First index of the maximum along n.
+    Value iota = b.Iota(TensorType{ElementType::kS64, dims}, 2);
+    Value inputs[] = {key, iota};
+    Value inits[] = {Const(b, key.element(), -2), Const(b, ElementType::kS64, 0)};
+    int64_t last[] = {2};
+    idx = b.Reduce(inputs, inits, last, [](Builder& bb, std::span<const Value> a) {
+      // accumulators (value, index), then elements (value, index)
+      Value take = bb.Or(bb.Compare(a[2], a[0], CompareDirection::kGT),
+                         bb.And(bb.Compare(a[2], a[0], CompareDirection::kEQ),
+                                bb.Compare(a[3], a[1], CompareDirection::kLT)));
+      return std::vector<Value>{bb.Select(take, a[2], a[0]), bb.Select(take, a[3], a[1])};
+    })[1];
+  } else {
+    if (k > n) throw LoweringError(ctx.op_name() + ": cannot sample n_sample > prob_dist.size(-1) samples without "
+                                   "replacement");
+    std::vector<int64_t> dims{rows, n};
+    Value key = race(dims, w);
+    Value iota = b.Iota(TensorType{ElementType::kS64, dims}, 1);
+    Value in[] = {key, iota};
+    auto sorted = b.Sort(in, 1, true, [](Builder& bb, std::span<const Value> a) {
+      return std::vector<Value>{bb.Compare(a[0], a[1], CompareDirection::kGT)};
+    });
+    int64_t start[] = {0, 0}, limit[] = {rows, k}, stride[] = {1, 1};
+    idx = b.Slice(sorted[1], start, limit, stride);
+  }
+  return {Out(b, idx, out)};
+}
+
 }  // namespace
 
 TORCH_TPU_LOWERINGS({
+    {"multinomial", LowerMultinomial, {.needs_rng = true}},
     {"uniform", LowerUniform, {.needs_rng = true}},
     {"normal", LowerNormal, {.needs_rng = true}},
     {"bernoulli", LowerBernoulli, {.needs_rng = true}},

@@ -1,5 +1,5 @@
 // Order statistics and sorted-sequence ops: kthvalue, median / nanmedian
-// (full and .dim), mode, cummax / cummin, searchsorted, bucketize.
+// (full and .dim), mode, cummax / cummin, searchsorted, bucketize, isin.
 // (sort and topk live in index.cpp; argsort and msort decompose into sort.)
 //
 // PyTorch semantics: NaN sorts as the largest value; median returns the
@@ -10,8 +10,9 @@
 // the smallest among equally frequent ones, with the index of its last
 // occurrence. Which of several equal elements kthvalue/median report is
 // unspecified in PyTorch (CPU uses nth_element); here it is the first.
-// searchsorted/bucketize count the boundaries below each value (O(n*m)
-// compares, no data-dependent shapes).
+// searchsorted/bucketize count the boundaries below each value, and isin
+// compares every element with every test element (O(n*m) compares, no
+// data-dependent shapes; CPU switches to a sort-based method for large m).
 #include <algorithm>
 #include <limits>
 
@@ -389,9 +390,44 @@ std::vector<Value> LowerBucketize(LoweringContext& ctx) {
   return {Out(b, CountBelow(b, Cast(b, seq, ct), Cast(b, x, ct), right), out)};
 }
 
+// isin(elements, test_elements, *, assume_unique, invert) and its
+// Tensor_Scalar / Scalar_Tensor overloads: bool of elements' shape, true
+// where the element equals some test element (compared in the promoted
+// dtype, as torch.result_type; NaN matches nothing), negated by invert.
+std::vector<Value> LowerIsin(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  const bool invert = ctx.has("invert") && ctx.bool_arg("invert");
+  const std::string_view en = ctx.find("elements") ? "elements" : "element";
+  const std::string_view tn = ctx.find("test_elements") ? "test_elements" : "test_element";
+  const LoweredArg& e = ctx.arg(en);
+  const LoweredArg& t = ctx.arg(tn);
+  if (Numel(out.sizes) == 0) return {Const(b, ElementType::kPred, 0, out.sizes)};
+  at::ScalarType ct;
+  if (e.kind == LoweredArg::Kind::kScalar && e.wrapped_number)
+    ct = CommonType(ctx, tn, en);
+  else
+    ct = CommonType(ctx, en, tn);
+  ct = CompareType(ct);
+  Value x = b.Reshape(Cast(b, e.value, ct), std::vector<int64_t>{Numel(out.sizes)});
+  Value tests = Cast(b, t.value, ct);
+  const int64_t m = tests.type.numel();
+  if (m == 0) return {Const(b, ElementType::kPred, invert ? 1 : 0, out.sizes)};
+  tests = b.Reshape(tests, std::vector<int64_t>{m});
+  const int64_t n = x.dims()[0];
+  std::vector<int64_t> grid{n, m};
+  Value eq = b.Compare(b.BroadcastInDim(x, grid, std::vector<int64_t>{0}),
+                       b.BroadcastInDim(tests, grid, std::vector<int64_t>{1}), CompareDirection::kEQ);
+  int64_t last[] = {1};
+  Value found = ReduceOr(b, eq, last, false);
+  if (invert) found = b.Not(found);
+  return {b.Reshape(found, out.sizes)};
+}
+
 }  // namespace
 
 TORCH_TPU_LOWERINGS({
+    {"isin", LowerIsin},
     {"kthvalue", LowerKthvalue},
     {"median", LowerMedian},
     {"nanmedian", LowerNanmedian},

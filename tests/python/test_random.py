@@ -16,7 +16,7 @@ import torch
 import torch_tpu
 
 TPU = torch.device("tpu")
-OURS = {"uniform", "normal", "bernoulli", "random", "exponential"}
+OURS = {"uniform", "normal", "bernoulli", "random", "exponential", "multinomial"}
 N = 100_000
 
 
@@ -239,3 +239,53 @@ def test_dropout_reproducible_under_seed():
     torch.tpu.manual_seed(3)
     b = torch.nn.functional.dropout(x, 0.5).cpu()
     assert torch.equal(a, b)
+
+
+# --- multinomial ------------------------------------------------------------------
+
+@pytest.mark.parametrize("replacement", [True, False])
+def test_multinomial_frequencies_match_weights(replacement):
+    # Unnormalised weights with a zero category: it is never drawn; the first
+    # draw (with or without replacement) picks i with probability w_i / sum(w).
+    w = torch.tensor([1.0, 0.0, 6.0, 3.0])
+    p = (w / w.sum()).double()
+    torch.manual_seed(3)
+    with no_fallback():
+        if replacement:
+            s = torch.multinomial(w.to(TPU), N, replacement=True)
+        else:
+            s = torch.multinomial(w.to(TPU).expand(N // 10, 4).contiguous(), 3)
+    assert s.device.type == "tpu" and s.dtype == torch.int64
+    s = s.cpu()
+    first = s if replacement else s[:, 0]
+    freq = torch.bincount(first.flatten(), minlength=4).double() / first.numel()
+    se = torch.sqrt(p * (1 - p) / first.numel())
+    assert torch.all((freq - p).abs() <= 5 * se + 1e-12), (freq, p)
+    assert freq[1] == 0
+    if not replacement:
+        # three distinct categories per row, never the zero-weight one
+        assert torch.all(s.sort(dim=1).values == torch.tensor([0, 2, 3]))
+
+
+def test_multinomial_shapes_seed_and_independent_calls():
+    weights = torch.rand(3, 50) + 0.1
+    for k, repl in [(4, True), (50, False), (1, False)]:
+        torch.manual_seed(0)
+        a = torch.multinomial(weights.to(TPU), k, replacement=repl).cpu()
+        torch.manual_seed(0)
+        b = torch.multinomial(weights.to(TPU), k, replacement=repl).cpu()
+        assert a.shape == torch.multinomial(weights, k, replacement=repl).shape
+        assert torch.equal(a, b)  # reproducible under a seed
+        assert a.min() >= 0 and a.max() < 50
+    # Successive one-sample draws from a uniform distribution: independent
+    # (the op draws 1000 values per call but its output has one element).
+    torch.manual_seed(1)
+    with no_fallback():
+        draws = torch.cat([torch.multinomial(torch.ones(1000, device=TPU), 1, True).cpu() for _ in range(300)])
+    assert (draws[1:] == draws[:-1]).float().mean() < 0.05
+    assert abs((draws[1:] - draws[:-1]).abs().double().mean().item() - 333.0) < 60  # E|U1-U2| = n/3
+
+
+def test_multinomial_too_many_samples_without_replacement_raises():
+    with pytest.raises(RuntimeError, match="cannot sample"):
+        torch.multinomial(torch.ones(3, device=TPU), 4).cpu()

@@ -15,7 +15,7 @@ import torch_tpu
 
 TPU = torch.device("tpu")
 NAN = float("nan")
-OURS = set("kthvalue median nanmedian mode cummax cummin searchsorted bucketize sort".split())
+OURS = set("kthvalue median nanmedian mode cummax cummin searchsorted bucketize sort isin".split())
 
 
 def _base(op_name):
@@ -203,3 +203,25 @@ def test_argsort_msort_decompose_to_sort(dtype):
     run_both(lambda a: torch.argsort(a, 0, descending=True), x)
     run_both(lambda a: torch.argsort(a, dim=1, stable=True), x)
     run_both(torch.msort, x)
+
+
+# --- isin ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("invert", [False, True])
+def test_isin_matches_cpu(invert):
+    e = torch.tensor([[1, 2, 3], [4, 5, -6]])
+    t = torch.tensor([2, 5, 9, -6])
+    f = torch.tensor([1.0, NAN, 2.5, -0.0])
+    ft = torch.tensor([NAN, 2.5, 0.0])
+    cases = [
+        (e, t), (e, t.to(torch.int32)), (e, t.double()), (f, ft), (f.bfloat16(), ft),
+        (e[:, ::2], t), (torch.empty(0, 3), t), (e, torch.empty(0, dtype=torch.long)),
+    ]
+    with no_fallback():
+        for x, y in cases:
+            got = torch.isin(x.to(TPU), y.to(TPU), invert=invert)
+            assert got.dtype == torch.bool and got.device.type == "tpu"
+            assert torch.equal(got.cpu(), torch.isin(x, y, invert=invert)), (x, y)
+        # Tensor_Scalar and Scalar_Tensor overloads
+        assert torch.equal(torch.isin(e.to(TPU), 5, invert=invert).cpu(), torch.isin(e, 5, invert=invert))
+        assert torch.equal(torch.isin(2.5, ft.to(TPU), invert=invert).cpu(), torch.isin(2.5, ft, invert=invert))
