@@ -136,7 +136,9 @@ def run_workers(names: list[str], args) -> None:
         for k in skip_keys:
             f.write(json.dumps(list(k)) + "\n")
     todo = [n for n in names if n not in done]
-    bar = tqdm(total=len(names), initial=len(names) - len(todo), unit="op", dynamic_ncols=True) if tqdm else None
+    # A bar on a terminal; one line per op in logs (no carriage-return redraws).
+    bar = (tqdm(total=len(names), initial=len(names) - len(todo), unit="op", dynamic_ncols=True)
+           if tqdm and sys.stderr.isatty() else None)
     restarts = 0
     while todo:
         ops_path = os.path.join(state_dir, "ops.txt")
@@ -291,9 +293,15 @@ def write_report(args) -> dict:
         for fb in o.get("fallbacks") or ():
             fell_back[H.fallback_to_overload(fb)].add(o["op"])
 
-    # An OpInfo "has a lowering" when a sample reached an ATen op with one.
+    # An OpInfo "has a lowering" when a sample reached an ATen op with one,
+    # or with an op kernel of the tpu key's own (the data-dependent-shape
+    # kernels; not the generic empty/copy/view plumbing of DIRECT_KERNELS).
+    def served_by_op_kernel(a: str) -> bool:
+        base = H.base_name(a)
+        return base in lowered or (base not in H.DIRECT_KERNELS and H._has_tpu_kernel(a))
+
     def op_has_lowering(name: str) -> bool:
-        return any(H.base_name(a) in lowered for o in by_op[name] for a in (o.get("aten_ops") or ()))
+        return any(served_by_op_kernel(a) for o in by_op[name] for a in (o.get("aten_ops") or ()))
 
     in_scope = sorted(n for n in by_op if op_has_lowering(n))
 
@@ -439,7 +447,9 @@ def write_report(args) -> dict:
     w("- *lowered natively*: the overload's base name (in-place `_` stripped, overload ignored: "
       "`add_.Tensor` → `add`) is in `torch_tpu._C.lowered_ops()`; or the tpu key serves it without a "
       "lowering: a direct kernel in `csrc/aten/kernels.cpp` (`empty.memory_format`, `empty_strided`, "
-      "`as_strided`, `view`, `_reshape_alias`, `_copy_from`, `_local_scalar_dense`, ...), a view op whose "
+      "`as_strided`, `view`, `_reshape_alias`, `_copy_from`, `_local_scalar_dense`, ...) or any other kernel "
+      "registered for the tpu key (the data-dependent-shape ops of `csrc/aten/dynamic_shape_kernels.cpp`: "
+      "`nonzero`, `masked_select`, `unique*`, `equal`, `take`, `put_`), a view op whose "
       "PyTorch kernel only builds an `as_strided`/`alias` view (`expand`, `permute`, `select`, `slice`, "
       "`squeeze`, `unsqueeze`, `diagonal`, `split_with_sizes`, `alias`), or a size/stride query (`sym_*`). "
       "\"(some inputs fall back)\": the lowering raised for some samples, which then ran on the CPU.")
@@ -469,7 +479,7 @@ def write_report(args) -> dict:
       "Random ops (names with rand/normal/bernoulli/dropout/..., `empty*`) compare shapes, dtypes and "
       "devices only. Unstable `sort`/`argsort`/`topk` accept any tie order that selects the same values.")
     w("")
-    w("An OpInfo is *in scope* when one of its samples reached an ATen op with a lowering; the sample "
+    w("An OpInfo is *in scope* when one of its samples reached an ATen op with a lowering (or a tpu-key op kernel); the sample "
       "totals count in-scope OpInfos only. OpInfos without any lowering are listed at the end.")
     w("")
     w("## Totals")

@@ -44,6 +44,7 @@ the suite red, new failures do.
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 import itertools
 import sys
@@ -262,20 +263,18 @@ EXPECTED_FAILURES: dict[tuple[str, str, str, str], str] = {
     ("nn.functional.adaptive_avg_pool3d", "bfloat16", "*", "fwd"):
         "CPU accumulates bf16 in bf16; tpu accumulates in f32 (closer to the float64 value)",
     ("chalf", "*", "*", "*"): "complex32 (ComplexHalf) has no XLA element type",
-    ("fft.hfft2", "*", "*", "*"): "wrong values after the CPU-fallback FFT: not yet diagnosed",
-    ("fft.hfftn", "*", "*", "*"): "wrong values after the CPU-fallback FFT: not yet diagnosed",
     ("linalg.eig", "float32", "*", "bwd"):
         "complex eigenvector phase: the loss depends on it (CPU raises for another sample order)",
     # Measured by the full run (tools/op_coverage.py --full); not in the fast subset's samples.
-    ("div.trunc_rounding", "bfloat16", "*", "fwd"):
-        "CPU rounds the quotient to bfloat16 before truncating (-3.890625 / -0.216796875: 17.95 -> 18 -> 18); "
-        "the lowering truncates the float32 quotient (17)",
     ("addr", "bfloat16", "*", "fwd"): _BF16_ACC,
     ("nn.functional.conv_transpose2d", "bfloat16", "*", "fwd"): _BF16_ACC,
     ("nn.functional.conv_transpose3d", "bfloat16", "*", "fwd"): _BF16_ACC,
     ("nn.functional.instance_norm", "bfloat16", "*", "fwd"): _BF16_ACC,
     ("nn.functional.interpolate.area", "bfloat16", "*", "fwd"): _BF16_ACC,
     ("nn.functional.interpolate.trilinear", "bfloat16", "*", "fwd"): _BF16_ACC,
+    ("linalg.householder_product", "float32", "*", "bwd"):
+        "one sample's gradient (|g| ~ 370) differs from CPU by 1.1e-5 relative; the tpu value is the closer "
+        "to float64 (max error 1.3e-3 vs CPU's 3.1e-3): summation order of XLA's blocked Householder product",
     # Debug mode's NaN/Inf check fires on an intermediate that the op masks later.
     ("cumprod", "float32", "debug", "bwd"): _DEBUG_MASKED_NAN,
     ("linalg.norm", "float32", "debug", "bwd"): _DEBUG_MASKED_NAN,
@@ -673,6 +672,25 @@ def _ties_explain(op, sample, actual, expected, tol) -> bool:
         return False
 
 
+# Ops whose outputs PyTorch documents as unique only up to sign (singular
+# vectors, eigenvectors; the completion of U/Vh for full_matrices): their
+# OpInfos pass an ``output_process_fn_grad`` that keeps the sign-invariant part
+# (|U|, |Vh|, U @ Vh, S; eigenvalues and |eigenvectors|), which is what a tpu
+# forward is compared through when the raw outputs differ.
+_SIGN_AMBIGUOUS_OPS = ("svd", "linalg.svd", "linalg.eigh")
+
+
+def _sign_explain(op, sample, actual, expected, tol) -> bool:
+    if op.name not in _SIGN_AMBIGUOUS_OPS:
+        return False
+    fn = sample.output_process_fn_grad
+    try:
+        compare(fn(actual), fn(expected), tol=tol)
+        return True
+    except (Mismatch, RuntimeError, IndexError, TypeError):
+        return False
+
+
 def run_on_tpu(op, sample, phase: str, mode: str, ref: Reference):
     """Runs the sample on tpu in `mode`; returns the result moved to CPU and
     the set of devices of the returned tensors."""
@@ -748,7 +766,8 @@ def run_sample(op, sample, index: int, dtype, mode: str, phase: str, ref: Refere
             compare(result, ref.out, values=not (is_random(op) or sample_is_random(op, sample)),
                     path="out" if phase == "fwd" else "grad", tol=tol)
         except Mismatch:
-            if not (phase == "fwd" and _ties_explain(op, sample, result, ref.out, tol)):
+            if not (phase == "fwd" and (_ties_explain(op, sample, result, ref.out, tol)
+                                        or _sign_explain(op, sample, result, ref.out, tol))):
                 raise
     except Mismatch as e:
         outcome.status, outcome.reason, outcome.category = "fail", str(e)[:400], "wrong values"
@@ -883,13 +902,31 @@ def lowered_names() -> set[str]:
     return set(torch_tpu._C.lowered_ops())
 
 
+@functools.lru_cache(maxsize=None)
+def _has_tpu_kernel(op_name: str) -> bool:
+    """A kernel registered for the tpu (PrivateUse1) key itself, e.g. the
+    data-dependent-shape kernels of csrc/aten/dynamic_shape_kernels.cpp (the
+    boxed CPU fallback is a fallback, not a kernel)."""
+    name = op_name.replace("::", ".")
+    parts = name.split(".")
+    if parts[0] == "aten":
+        parts = parts[1:]
+    if not parts:
+        return False
+    qualified = "aten::" + parts[0] + (f".{parts[1]}" if len(parts) > 1 and parts[1] != "default" else "")
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "PrivateUse1"))
+    except RuntimeError:
+        return False
+
+
 def natively_served(op_name: str, lowered: set[str] | None = None) -> str | None:
     """Why the tpu key serves this ATen op natively, or None."""
     lowered = lowered_names() if lowered is None else lowered
     base = base_name(op_name)
     if base in lowered:
         return "lowering"
-    if base in DIRECT_KERNELS:
+    if base in DIRECT_KERNELS or _has_tpu_kernel(op_name):
         return "direct kernel"
     if base in VIEW_OPS:
         return "view"
