@@ -44,13 +44,21 @@ def _cli_mode() -> bool:
     return any(a == "-m" and argv[i + 1:i + 2] == ["torch_tpu"] for i, a in enumerate(argv))
 
 
-_plugin_error: Exception | None = None  # why no plugin was found (CLI mode only)
+# No usable plugin does not fail `import torch` (the backend autoloads): as
+# with CUDA, CPU work goes on, torch.tpu.is_available() is False, and using
+# the device raises, naming the plugin path when one was given. One warning
+# names the reason here (under `python -m torch_tpu`, the command reports it).
+_plugin_error: Exception | None = None  # why no plugin was found
 try:
     _C._set_plugin_path(_plugin.discover())
 except _plugin.PluginNotFoundError as _e:
-    if not _cli_mode():
-        raise
     _plugin_error = _e
+    if os.environ.get("TORCH_TPU_PJRT_PLUGIN"):
+        _C._set_plugin_path(os.environ["TORCH_TPU_PJRT_PLUGIN"])  # first use: the loader's error names it
+    if not _cli_mode():
+        import warnings
+
+        warnings.warn(f"torch_tpu: {_e}; the tpu device is unavailable", RuntimeWarning, stacklevel=2)
 
 if torch._C._get_privateuse1_backend_name() != "tpu":
     torch.utils.rename_privateuse1_backend("tpu")

@@ -37,7 +37,11 @@ def entries() -> list[tuple[str, int]]:
 
 
 def _process_counts() -> dict:
-    m = _C.metrics()
+    """This process's counters; zeros where the runtime cannot start (no plugin)."""
+    try:
+        m = _C.metrics()
+    except RuntimeError:
+        return {k: 0 for k in _KEYS}
     return {k: int(m[f"disk_cache_{k}"]) for k in _KEYS}
 
 

@@ -36,8 +36,12 @@ OutOfMemoryError = torch.OutOfMemoryError  # raised when a tpu allocation or lau
 
 
 def is_available() -> bool:
-    """True if a PJRT plugin loads and reports at least one device."""
-    return device_count() > 0
+    """True if a PJRT plugin loads and reports at least one device; False
+    (never an error, as torch.cuda.is_available) when none can be loaded."""
+    try:
+        return device_count() > 0
+    except RuntimeError:
+        return False
 
 
 def _is_in_bad_fork() -> bool:

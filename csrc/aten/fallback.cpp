@@ -24,6 +24,7 @@
 
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -106,6 +107,57 @@ void MoveCpuIndicesToDevice(const c10::OperatorHandle& op, torch::jit::Stack* st
     }
     v = moved;
   }
+}
+
+// Boolean (or uint8) masks among the indices of index / index_put_ (x[mask],
+// x[mask] = v): each k-dim mask becomes k int64 index tensors, the columns
+// of its nonzero coordinates, as ATen's expandTensors does before indexing
+// (its shape check and message included). The count is read with one sync
+// (the nonzero kernel, dynamic_shape_kernels.cpp); then the lowered index /
+// index_put run: the data stays on the device. A 0-d bool index (x[True])
+// is left to the general path.
+void ExpandMaskIndices(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const std::string base = runtime::BaseName(op.schema());
+  if (base != "index" && base != "index_put" && base != "_index_put_impl") return;
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  std::optional<size_t> self_pos, indices_pos;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i].name() == "self") self_pos = first + i;
+    if (args[i].name() == "indices") indices_pos = first + i;
+  }
+  if (!self_pos || !indices_pos || !(*stack)[*indices_pos].isList()) return;
+  const auto& list = (*stack)[*indices_pos].toListRef();
+  bool has_mask = false;
+  for (const auto& x : list) {
+    if (x.isTensor() && x.toTensor().defined() && x.toTensor().dim() > 0) {
+      auto t = x.toTensor().scalar_type();
+      has_mask |= t == at::kBool || t == at::kByte;
+    }
+  }
+  if (!has_mask) return;
+  const at::Tensor& self = (*stack)[*self_pos].toTensor();
+  c10::List<std::optional<at::Tensor>> expanded;
+  int64_t dim = 0;
+  for (const auto& x : list) {
+    const bool defined = x.isTensor() && x.toTensor().defined();
+    const at::Tensor mask = defined ? x.toTensor() : at::Tensor();
+    if (!defined || mask.dim() == 0 || (mask.scalar_type() != at::kBool && mask.scalar_type() != at::kByte)) {
+      expanded.push_back(defined ? std::optional<at::Tensor>(mask) : std::nullopt);
+      ++dim;
+      continue;
+    }
+    for (int64_t j = 0; j < mask.dim(); ++j) {
+      const int64_t d = dim + j;
+      TORCH_CHECK_INDEX(d < self.dim() && mask.size(j) == self.size(d), "The shape of the mask ", mask.sizes(),
+                        " at index ", j, " does not match the shape of the indexed tensor ", self.sizes(),
+                        " at index ", d);
+    }
+    at::Tensor coords = at::nonzero(mask);  // [n, k] int64
+    for (int64_t j = 0; j < mask.dim(); ++j) expanded.push_back(coords.select(1, j));
+    dim += mask.dim();
+  }
+  (*stack)[*indices_pos] = expanded;
 }
 
 bool IsWrittenArg(const c10::Argument& a) { return a.alias_info() != nullptr && a.alias_info()->isWrite(); }
@@ -298,7 +350,10 @@ void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (AnyMathBits(op, *stack)) return RunResolvingMathBits(op, stack);
   if (WritesOverlappingTensor(op, *stack)) return RunOnCpuMirror(op, stack);
   const lowering::LoweringEntry* entry = EntryFor(op);
-  if (entry) MoveCpuIndicesToDevice(op, stack);
+  if (entry) {
+    MoveCpuIndicesToDevice(op, stack);
+    ExpandMaskIndices(op, stack);
+  }
   if (!entry) return RunOnCpu(op, stack, "no lowering");
   try {
     runtime::RunOp(op, stack, *entry);

@@ -106,38 +106,28 @@ void FusedAdamImpl(at::TensorList params, at::TensorList grads, at::TensorList e
   }
 }
 
-void FusedAdamW(at::TensorList self, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                at::TensorList max_exp_avg_sqs, at::TensorList state_steps, double lr, double beta1, double beta2,
-                double weight_decay, double eps, bool amsgrad, bool maximize,
-                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+// _fused_adam_ (kAdamW false) and _fused_adamw_ (true), float lr.
+template <bool kAdamW>
+void FusedAdamFloatLr(at::TensorList self, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList state_steps,
+                      double lr, double beta1, double beta2, double weight_decay, double eps, bool amsgrad,
+                      bool maximize, const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf) {
   FusedAdamImpl(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, std::nullopt, lr, beta1, beta2,
-                weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, true, "_fused_adamw_");
+                weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, kAdamW,
+                kAdamW ? "_fused_adamw_" : "_fused_adam_");
 }
 
-void FusedAdamWTensorLr(at::TensorList self, at::TensorList grads, at::TensorList exp_avgs,
-                        at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList state_steps,
-                        const at::Tensor& lr, double beta1, double beta2, double weight_decay, double eps,
-                        bool amsgrad, bool maximize, const std::optional<at::Tensor>& grad_scale,
-                        const std::optional<at::Tensor>& found_inf) {
-  FusedAdamImpl(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, 0.0, beta1, beta2,
-                weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, true, "_fused_adamw_");
-}
-
-void FusedAdam(at::TensorList self, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-               at::TensorList max_exp_avg_sqs, at::TensorList state_steps, double lr, double beta1, double beta2,
-               double weight_decay, double eps, bool amsgrad, bool maximize,
-               const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  FusedAdamImpl(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, std::nullopt, lr, beta1, beta2,
-                weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, false, "_fused_adam_");
-}
-
+// The .tensor_lr overloads: lr a tensor (stays on the device).
+template <bool kAdamW>
 void FusedAdamTensorLr(at::TensorList self, at::TensorList grads, at::TensorList exp_avgs,
                        at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList state_steps,
                        const at::Tensor& lr, double beta1, double beta2, double weight_decay, double eps,
                        bool amsgrad, bool maximize, const std::optional<at::Tensor>& grad_scale,
                        const std::optional<at::Tensor>& found_inf) {
   FusedAdamImpl(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, 0.0, beta1, beta2,
-                weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, false, "_fused_adam_");
+                weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, kAdamW,
+                kAdamW ? "_fused_adamw_" : "_fused_adam_");
 }
 
 // found_inf (a one-element float tensor) = 1 if any grad holds Inf or NaN;
@@ -189,10 +179,10 @@ at::Tensor& UpdateScale(at::Tensor& self, at::Tensor& growth_tracker, const at::
 }  // namespace
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  m.impl("_fused_adamw_", FusedAdamW);
-  m.impl("_fused_adamw_.tensor_lr", FusedAdamWTensorLr);
-  m.impl("_fused_adam_", FusedAdam);
-  m.impl("_fused_adam_.tensor_lr", FusedAdamTensorLr);
+  m.impl("_fused_adamw_", TORCH_FN(FusedAdamFloatLr<true>));
+  m.impl("_fused_adamw_.tensor_lr", TORCH_FN(FusedAdamTensorLr<true>));
+  m.impl("_fused_adam_", TORCH_FN(FusedAdamFloatLr<false>));
+  m.impl("_fused_adam_.tensor_lr", TORCH_FN(FusedAdamTensorLr<false>));
   m.impl("_amp_foreach_non_finite_check_and_unscale_", NonFiniteCheckAndUnscale);
   m.impl("_amp_update_scale_", UpdateScale);
 }

@@ -68,12 +68,6 @@ ConvDims StandardDims(size_t nsp) {
   return d;
 }
 
-int64_t Numel(const std::vector<int64_t>& s) {
-  int64_t n = 1;
-  for (int64_t d : s) n *= d;
-  return n;
-}
-
 Value Widen(Builder& b, const Value& v, ElementType acc) { return b.Convert(v, acc); }
 
 // Accumulation type: f32 for bf16/f16, the dtype itself otherwise (integer

@@ -244,11 +244,6 @@ Value ViewIndices(Builder& b, const ViewLayout& v, ElementType index_type) {
   return idx;
 }
 
-int64_t Numel(const std::vector<int64_t>& s) {
-  int64_t n = 1;
-  for (int64_t x : s) n *= x;
-  return n;
-}
 
 }  // namespace
 
@@ -346,6 +341,64 @@ Value WriteView(Builder& b, const Value& flat, const ViewLayout& v, const Value&
   s.index_vector_dim = 1;
   return b.Scatter(flat, idx, upd, s,
                    [](Builder&, std::span<const Value> a) { return std::vector<Value>{a[1]}; });
+}
+
+int64_t Numel(std::span<const int64_t> dims) {
+  int64_t n = 1;
+  for (int64_t d : dims) n *= d;
+  return n;
+}
+
+Value Fit(Builder& b, const Value& v, std::span<const int64_t> sizes) {
+  if (std::equal(v.dims().begin(), v.dims().end(), sizes.begin(), sizes.end())) return v;
+  if (v.type.numel() == Numel(sizes)) return b.Reshape(v, sizes);
+  return BroadcastTo(b, v, sizes);
+}
+
+Value Out(Builder& b, const Value& v, const OutputSpec& spec) { return Fit(b, Cast(b, v, spec.dtype), spec.sizes); }
+
+namespace {
+
+at::ScalarType PromoteSkipUndefined(at::ScalarType a, at::ScalarType b) {
+  if (a == at::ScalarType::Undefined) return b;
+  if (b == at::ScalarType::Undefined) return a;
+  return c10::promoteTypes(a, b);
+}
+
+at::ScalarType CombineCategories(at::ScalarType higher, at::ScalarType lower) {
+  if (at::isComplexType(higher)) return higher;
+  if (at::isComplexType(lower)) return at::isFloatingType(higher) ? c10::toComplexType(higher) : lower;
+  if (at::isFloatingType(higher)) return higher;
+  if (higher == at::kBool || at::isFloatingType(lower)) return PromoteSkipUndefined(higher, lower);
+  if (higher != at::ScalarType::Undefined) return higher;
+  return lower;
+}
+
+}  // namespace
+
+at::ScalarType ResultType(const LoweringContext& ctx, std::initializer_list<std::string_view> names) {
+  using Kind = LoweredArg::Kind;
+  at::ScalarType dim = at::ScalarType::Undefined, zero = at::ScalarType::Undefined,
+                 wrapped = at::ScalarType::Undefined;
+  for (std::string_view name : names) {
+    const LoweredArg* a = ctx.find(name);
+    if (!a) continue;
+    if (a->kind == Kind::kTensor) {
+      if (a->value.rank() > 0) dim = PromoteSkipUndefined(dim, a->dtype);
+      else zero = PromoteSkipUndefined(zero, a->dtype);
+    } else if (a->kind == Kind::kScalar) {
+      if (a->wrapped_number) {
+        at::ScalarType t = at::isFloatingType(a->dtype) ? c10::get_default_dtype_as_scalartype() : a->dtype;
+        wrapped = PromoteSkipUndefined(wrapped, t);
+      } else {
+        zero = PromoteSkipUndefined(zero, a->dtype);
+      }
+    }
+  }
+  at::ScalarType r = CombineCategories(dim, CombineCategories(zero, wrapped));
+  if (r == at::ScalarType::Undefined) throw LoweringError(ctx.op_name() + ": no tensor operand");
+  if (at::isComplexType(r)) throw LoweringError(ctx.op_name() + ": complex dtypes are not supported on tpu");
+  return r;
 }
 
 }  // namespace torch_tpu::lowering

@@ -52,6 +52,22 @@ Value MinPropagateNaN(Builder& b, const Value& x, const Value& y);
 // (PyTorch's opmath type), others as they are.
 at::ScalarType OpMathType(at::ScalarType out);
 
+// Number of elements of a shape (1 for rank 0).
+int64_t Numel(std::span<const int64_t> dims);
+// v as `sizes`: unchanged if it has them, reshaped if it has as many
+// elements, else broadcast (BroadcastTo's rules).
+Value Fit(Builder& b, const Value& v, std::span<const int64_t> sizes);
+// v cast to the output's dtype and fitted to its sizes.
+Value Out(Builder& b, const Value& v, const OutputSpec& spec);
+
+// PyTorch's type promotion over the named arguments of the op
+// (at::native::result_type: dimensioned tensors over 0-d tensors over Python
+// numbers, each category only raising the kind: bool < integer < floating
+// < complex; a Python float is the default dtype). Absent arguments are
+// skipped. Throws LoweringError when no argument is a tensor or Scalar, or
+// the result is complex (complex arithmetic runs on the CPU).
+at::ScalarType ResultType(const LoweringContext& ctx, std::initializer_list<std::string_view> names);
+
 // --- strided views of a flat storage ------------------------------------
 // A tensor's view of its storage: sizes, strides and offset in elements.
 struct ViewLayout {

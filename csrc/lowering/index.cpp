@@ -24,20 +24,6 @@ namespace {
 using hlo::CompareDirection;
 
 
-Value Fit(Builder& b, const Value& v, const std::vector<int64_t>& sizes) {
-  if (v.dims() == sizes) return v;
-  if (v.type.numel() == TensorType{v.element(), sizes}.numel()) return b.Reshape(v, sizes);
-  return BroadcastTo(b, v, sizes);
-}
-
-Value Out(Builder& b, const Value& v, const OutputSpec& spec) { return Fit(b, Cast(b, v, spec.dtype), spec.sizes); }
-
-int64_t Numel(std::span<const int64_t> dims) {
-  int64_t n = 1;
-  for (int64_t d : dims) n *= d;
-  return n;
-}
-
 std::vector<int64_t> Iota(int64_t from, int64_t to) {
   std::vector<int64_t> v;
   for (int64_t i = from; i < to; ++i) v.push_back(i);

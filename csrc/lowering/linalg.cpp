@@ -18,12 +18,6 @@ at::ScalarType AccType(at::ScalarType out) {
   return OpMathType(out);
 }
 
-Value Fit(Builder& b, const Value& v, const std::vector<int64_t>& sizes) {
-  if (v.dims() == sizes) return v;
-  if (v.type.numel() == TensorType{v.element(), sizes}.numel()) return b.Reshape(v, sizes);
-  return BroadcastTo(b, v, sizes);
-}
-
 // Contracts in the accumulation dtype. bf16/f16 operands of the same type
 // stay narrow with an f32 result type (exact products, f32 accumulation: what
 // PyTorch's CPU kernels compute, and what MXU-style hardware does natively).

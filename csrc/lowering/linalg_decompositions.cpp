@@ -90,19 +90,6 @@ using hlo::DotDims;
 
 constexpr int64_t kMaxSweeps = 20;
 
-int64_t Numel(std::span<const int64_t> s) {
-  int64_t n = 1;
-  for (int64_t d : s) n *= d;
-  return n;
-}
-
-Value Out(Builder& b, const Value& v, const OutputSpec& spec) {
-  Value c = Cast(b, v, spec.dtype);
-  if (c.dims() == spec.sizes) return c;
-  if (c.type.numel() == Numel(spec.sizes)) return b.Reshape(c, spec.sizes);
-  return BroadcastTo(b, c, spec.sizes);
-}
-
 Value Zeros(Builder& b, const OutputSpec& spec) {
   return Const(b, ToElementType(spec.dtype), 0, spec.sizes);
 }

@@ -17,14 +17,6 @@ using hlo::CompareDirection;
 
 
 
-Value Fit(Builder& b, const Value& v, const std::vector<int64_t>& sizes) {
-  if (v.dims() == sizes) return v;
-  if (v.type.numel() == TensorType{v.element(), sizes}.numel()) return b.Reshape(v, sizes);
-  return BroadcastTo(b, v, sizes);
-}
-
-Value Out(Builder& b, const Value& v, const OutputSpec& spec) { return Fit(b, Cast(b, v, spec.dtype), spec.sizes); }
-
 // Returns the meta kernel leaves undefined (output_mask false) cannot be
 // produced by the executor yet (it casts every return to the meta dtype);
 // such calls run on the CPU instead of failing.
@@ -41,12 +33,6 @@ Value Unused(Builder& b, const OutputSpec& spec) {
 }
 
 at::ScalarType Acc(at::ScalarType t) { return OpMathType(t); }
-
-int64_t Numel(const std::vector<int64_t>& s) {
-  int64_t n = 1;
-  for (int64_t d : s) n *= d;
-  return n;
-}
 
 int64_t CountOf(const Value& x, std::span<const int64_t> dims) {
   int64_t n = 1;

@@ -38,46 +38,7 @@ bool IsUnsigned(ScalarType t) {
   return t == at::kByte || t == at::kUInt16 || t == at::kUInt32 || t == at::kUInt64;
 }
 
-// ---------------------------------------------------------------------------
-// Type promotion (at::native::result_type over the named arguments).
-
-ScalarType PromoteSkipUndefined(ScalarType a, ScalarType b) {
-  if (a == ScalarType::Undefined) return b;
-  if (b == ScalarType::Undefined) return a;
-  return c10::promoteTypes(a, b);
-}
-
-ScalarType CombineCategories(ScalarType higher, ScalarType lower) {
-  if (at::isComplexType(higher)) return higher;
-  if (at::isComplexType(lower)) return IsFloat(higher) ? c10::toComplexType(higher) : lower;
-  if (IsFloat(higher)) return higher;
-  if (higher == at::kBool || IsFloat(lower)) return PromoteSkipUndefined(higher, lower);
-  if (higher != ScalarType::Undefined) return higher;
-  return lower;
-}
-
-ScalarType ResultType(const LoweringContext& ctx, std::initializer_list<std::string_view> names) {
-  ScalarType dim = ScalarType::Undefined, zero = ScalarType::Undefined, wrapped = ScalarType::Undefined;
-  for (std::string_view name : names) {
-    const LoweredArg* a = ctx.find(name);
-    if (!a) continue;
-    if (a->kind == Kind::kTensor) {
-      if (a->value.rank() > 0) dim = PromoteSkipUndefined(dim, a->dtype);
-      else zero = PromoteSkipUndefined(zero, a->dtype);
-    } else if (a->kind == Kind::kScalar) {
-      if (a->wrapped_number) {
-        ScalarType t = IsFloat(a->dtype) ? c10::get_default_dtype_as_scalartype() : a->dtype;
-        wrapped = PromoteSkipUndefined(wrapped, t);
-      } else {
-        zero = PromoteSkipUndefined(zero, a->dtype);
-      }
-    }
-  }
-  ScalarType r = CombineCategories(dim, CombineCategories(zero, wrapped));
-  if (r == ScalarType::Undefined) throw LoweringError(ctx.op_name() + ": no tensor operand");
-  if (at::isComplexType(r)) throw LoweringError(ctx.op_name() + ": complex dtypes are not supported on tpu");
-  return r;
-}
+// Type promotion: ResultType (helpers.h).
 
 // ---------------------------------------------------------------------------
 // Operand preparation.

@@ -49,12 +49,6 @@ std::optional<double> OptFloat(const LoweringContext& ctx, std::string_view name
   return std::nullopt;
 }
 
-int64_t Numel(std::span<const int64_t> s) {
-  int64_t n = 1;
-  for (int64_t d : s) n *= d;
-  return n;
-}
-
 std::string F32Literal(float f) {
   char buf[16];
   std::snprintf(buf, sizeof(buf), "0x%08X", std::bit_cast<uint32_t>(f));

@@ -17,14 +17,6 @@ namespace {
 
 using hlo::CompareDirection;
 
-Value Fit(Builder& b, const Value& v, const std::vector<int64_t>& sizes) {
-  if (v.dims() == sizes) return v;
-  if (v.type.numel() == TensorType{v.element(), sizes}.numel()) return b.Reshape(v, sizes);
-  return BroadcastTo(b, v, sizes);
-}
-
-Value Out(Builder& b, const Value& v, const OutputSpec& spec) { return Fit(b, Cast(b, v, spec.dtype), spec.sizes); }
-
 // Uniform values in [0, 1) of `dims`: f32 from 32 random bits (23 mantissa
 // bits) or, for f64 outputs, f64 from 64 bits (52 mantissa bits).
 Value UniformFrom(Builder& b, const Value& rng_state, std::span<const int64_t> dims, bool f64) {
@@ -206,9 +198,14 @@ std::vector<Value> LowerMultinomial(LoweringContext& ctx) {
   Value w = ctx.tensor("self");
   const bool replacement = ctx.has("replacement") && ctx.bool_arg("replacement");
   const int64_t k = ctx.int_arg("num_samples");
+  // Inputs CPU rejects for their dtype or shape are declined: the call then
+  // runs on the CPU, which raises its own error.
+  if (!at::isFloatingType(ctx.arg("self").dtype) || (w.rank() != 1 && w.rank() != 2) || k <= 0 ||
+      w.dims().back() == 0)
+    throw LoweringError(ctx.op_name() + ": input CPU rejects (dtype, rank, num_samples or empty distribution)");
   const bool batched = w.rank() == 2;
   const int64_t rows = batched ? w.dims()[0] : 1, n = w.dims().back();
-  if (rows * k == 0 || n == 0) return {Const(b, ElementType::kS64, 0, out.sizes)};
+  if (rows == 0) return {Const(b, ElementType::kS64, 0, out.sizes)};
   const at::ScalarType t = FloatCompute(ctx.arg("self").dtype);
   w = b.Reshape(Cast(b, w, t), std::vector<int64_t>{rows, n});
   const Value stream = OwnStream(ctx);

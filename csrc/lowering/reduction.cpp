@@ -22,11 +22,6 @@ using hlo::CompareDirection;
 // An int[] argument (also SymInt[] and a bare int); empty if None/absent.
 
 // Reshapes `v` to the meta kernel's output sizes (keepdim forms).
-Value Fit(Builder& b, const Value& v, const std::vector<int64_t>& sizes) {
-  if (v.dims() == sizes) return v;
-  return b.Reshape(v, sizes);
-}
-
 int64_t CountOf(const Value& x, std::span<const int64_t> dims) {
   int64_t n = 1;
   for (int64_t d : dims) n *= x.dims()[static_cast<size_t>(d)];

@@ -23,19 +23,6 @@ namespace {
 
 using hlo::CompareDirection;
 
-int64_t Numel(std::span<const int64_t> s) {
-  int64_t n = 1;
-  for (int64_t d : s) n *= d;
-  return n;
-}
-
-Value Out(Builder& b, const Value& v, const OutputSpec& spec) {
-  Value c = Cast(b, v, spec.dtype);
-  if (c.dims() == spec.sizes) return c;
-  if (c.type.numel() == Numel(spec.sizes)) return b.Reshape(c, spec.sizes);
-  return BroadcastTo(b, c, spec.sizes);
-}
-
 std::vector<Value> EmptyOutputs(Builder& b, const LoweringContext& ctx) {
   std::vector<Value> r;
   for (const auto& o : ctx.outputs) r.push_back(Const(b, ToElementType(o.dtype), 0, o.sizes));

@@ -61,43 +61,7 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 bool IsFloat(ScalarType t) { return at::isFloatingType(t); }
 bool IsLow(ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
-// --- type promotion (at::native::result_type) ------------------------------
-
-ScalarType PromoteSkip(ScalarType a, ScalarType b) {
-  if (a == ScalarType::Undefined) return b;
-  if (b == ScalarType::Undefined) return a;
-  return c10::promoteTypes(a, b);
-}
-
-ScalarType Combine(ScalarType higher, ScalarType lower) {
-  if (IsFloat(higher)) return higher;
-  if (higher == at::kBool || IsFloat(lower)) return PromoteSkip(higher, lower);
-  if (higher != ScalarType::Undefined) return higher;
-  return lower;
-}
-
-ScalarType ResultType(const LoweringContext& ctx, std::initializer_list<std::string_view> names) {
-  ScalarType dim = ScalarType::Undefined, zero = ScalarType::Undefined, wrapped = ScalarType::Undefined;
-  for (std::string_view name : names) {
-    const LoweredArg* a = ctx.find(name);
-    if (!a) continue;
-    if (a->kind == Kind::kTensor) {
-      if (at::isComplexType(a->dtype)) throw LoweringError(ctx.op_name() + ": complex dtypes are not supported on tpu");
-      if (a->value.rank() > 0) dim = PromoteSkip(dim, a->dtype);
-      else zero = PromoteSkip(zero, a->dtype);
-    } else if (a->kind == Kind::kScalar) {
-      if (a->wrapped_number) {
-        ScalarType t = IsFloat(a->dtype) ? c10::get_default_dtype_as_scalartype() : a->dtype;
-        wrapped = PromoteSkip(wrapped, t);
-      } else {
-        zero = PromoteSkip(zero, a->dtype);
-      }
-    }
-  }
-  ScalarType r = Combine(dim, Combine(zero, wrapped));
-  if (r == ScalarType::Undefined) throw LoweringError(ctx.op_name() + ": no tensor operand");
-  return r;
-}
+// Type promotion: ResultType (helpers.h).
 
 // Operands converted to the common dtype, then to `compute`, broadcast to the
 // output's sizes.

@@ -299,3 +299,51 @@ def test_take_put_backward():
         (torch.put(xt, tpu(i.view(-1)), st, accumulate=True) * 2).sum().backward()
     check(xt.grad, xc.grad)
     check(st.grad, sc.grad)
+
+
+# --- boolean-mask indexing: x[mask], x[mask] = v (index / index_put_ with bool indices) ---
+
+M2 = torch.tensor([[True, False, True], [False, False, True]])
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, m: x[m],
+    lambda x, m: x[:, m[0]],
+    lambda x, m: x[m[:, 0]],
+    lambda x, m: x[torch.tensor([1, 0], device=x.device), m[0]],
+    lambda x, m: x[m.logical_not()],
+], ids=["full_mask", "mask_dim1", "mask_dim0", "int_and_mask", "all_false_row"])
+def test_bool_mask_getitem(fn):
+    run_both(fn, X, M2)
+
+
+def test_bool_mask_setitem_and_accumulate():
+    def setitem_scalar(x, m):
+        x = x.clone()
+        x[m] = 7.0
+        return x
+
+    def setitem_tensor(x, m):
+        x = x.clone()
+        x[m] = torch.arange(3.0, device=x.device)
+        return x
+
+    def accumulate(x, m):
+        return x.clone().index_put_((m,), torch.tensor(2.5, device=x.device), accumulate=True)
+
+    for fn in (setitem_scalar, setitem_tensor, accumulate):
+        run_both(fn, X, M2)
+
+
+def test_bool_mask_shape_mismatch_raises_like_cpu():
+    with pytest.raises(IndexError, match="does not match the shape of the indexed tensor"):
+        tpu(X)[tpu(torch.tensor([True, False, True]))]
+
+
+def test_bool_mask_getitem_backward():
+    xc = X.nan_to_num().requires_grad_()
+    (xc[M2] * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    xt = tpu(X.nan_to_num()).requires_grad_()
+    with no_cpu_fallback():
+        (xt[tpu(M2)] * tpu(torch.tensor([1.0, 2.0, 3.0]))).sum().backward()
+    check(xt.grad, xc.grad)

@@ -28,6 +28,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+import _minilm  # noqa: E402  (the main job's model loader and sentences)
+
 import pytest
 import torch
 import torch_tpu  # noqa: F401
@@ -62,20 +67,7 @@ SENTENCES = [
     "Researchers trained a small neural network to classify sentences.",
 ]
 
-LABELLED = [
-    ("The striker scored twice in the second half.", 0),
-    ("She won the marathon in record time.", 0),
-    ("The tennis match went to a fifth set.", 0),
-    ("Our team lost the final on penalties.", 0),
-    ("Simmer the sauce until it thickens.", 1),
-    ("This bakery makes the best sourdough bread.", 1),
-    ("Add a pinch of salt to the boiling pasta water.", 1),
-    ("The soup tastes better with fresh basil.", 1),
-    ("The compiler turns source code into machine code.", 2),
-    ("My laptop needs more memory to run the database.", 2),
-    ("The program crashed because of a null pointer.", 2),
-    ("Install the package with pip and restart the kernel.", 2),
-]
+LABELLED = _minilm.LABELLED  # (sentence, label): 0 sport, 1 food, 2 computing
 
 
 @pytest.fixture(scope="module")
