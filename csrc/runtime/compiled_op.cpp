@@ -741,7 +741,12 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
 
 DeviceStorage& StorageOf(const at::Tensor& t) {
   void* ctx = t.storage().data_ptr().get_context();
-  if (!ctx) throw std::runtime_error("tpu tensor without device storage");
+  if (!ctx) {
+    // at::from_blob over a tpu data pointer (legacy torch.save / pickle copy
+    // a storage to the host that way): the pointer is the DeviceStorage.
+    if (DeviceStorage* found = FindLiveStorage(t.storage().data_ptr().get())) return *found;
+    throw std::runtime_error("tpu tensor without device storage");
+  }
   return *static_cast<DeviceStorage*>(ctx);
 }
 

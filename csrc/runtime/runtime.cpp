@@ -7,7 +7,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
+#include <unordered_set>
 #include <vector>
 
 namespace torch_tpu::runtime {
@@ -47,9 +49,27 @@ size_t ElementSize(hlo::ElementType t) {
   return bits == 1 ? 1 : static_cast<size_t>(bits / 8);
 }
 
+namespace {
+// Every live DeviceStorage, so that a storage made by at::from_blob over a
+// tpu data pointer (PyTorch's legacy serialization does this to copy a
+// storage to the host) can be traced back to its DeviceStorage.
+std::mutex live_mutex;
+std::unordered_set<const void*>& LiveStorages() {
+  static auto* live = new std::unordered_set<const void*>();
+  return *live;
+}
+}  // namespace
+
 DeviceStorage::DeviceStorage(size_t nbytes, int device_index)
     : nbytes_(nbytes), device_index_(device_index) {
   Runtime::Get().OnAllocate(static_cast<int64_t>(nbytes), device_index);
+  std::lock_guard<std::mutex> lock(live_mutex);
+  LiveStorages().insert(this);
+}
+
+DeviceStorage* FindLiveStorage(const void* data) {
+  std::lock_guard<std::mutex> lock(live_mutex);
+  return LiveStorages().count(data) ? static_cast<DeviceStorage*>(const_cast<void*>(data)) : nullptr;
 }
 
 namespace {
@@ -105,6 +125,8 @@ void RethrowDeviceError(const pjrt::Error& e, const std::string& what, int devic
 
 DeviceStorage::~DeviceStorage() {
   if (instance) instance->OnFree(static_cast<int64_t>(nbytes_));
+  std::lock_guard<std::mutex> lock(live_mutex);
+  LiveStorages().erase(this);
 }
 
 namespace {

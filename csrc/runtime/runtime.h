@@ -84,6 +84,9 @@ class DeviceStorage {
 // a fused region that has not run) is kept until the region has run, so
 // that its address cannot be reused by another storage of the same region.
 void ReleaseStorage(DeviceStorage* storage);
+// The live DeviceStorage whose data pointer is `data` (a storage made by
+// at::from_blob over a tpu tensor's data pointer), or nullptr.
+DeviceStorage* FindLiveStorage(const void* data);
 // Frees the storages ReleaseStorage kept (the fused executor, after a flush).
 void ReleaseKeptStorages();
 

@@ -485,3 +485,28 @@ def test_safetensors_imported_before_torch(tmp_path):
                    "print(w.device, g.device, w.cpu().tolist())")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["tpu:0", "tpu:0", "[[0,", "1,", "2],", "[3,", "4,", "5]]"]
+
+
+def test_pickle_and_legacy_torch_save_round_trip():
+    # pickle and the legacy (non-zipfile) torch.save copy a storage to the
+    # host through at::from_blob over the tpu data pointer.
+    import pickle
+
+    t = torch.tensor([[1.5, -2.0, float("nan")], [0.0, 3.25, float("inf")]], device="tpu")
+    for load in (lambda: pickle.loads(pickle.dumps(t)),
+                 lambda: _legacy_round_trip(t, None),
+                 lambda: _legacy_round_trip(t, "cpu")):
+        r = load()
+        assert r.dtype == t.dtype and r.shape == t.shape
+        torch.testing.assert_close(r.cpu(), t.cpu(), rtol=0, atol=0, equal_nan=True)
+    assert pickle.loads(pickle.dumps(t)).device.type == "tpu"
+    assert _legacy_round_trip(t, "cpu").device.type == "cpu"
+
+
+def _legacy_round_trip(t, map_location):
+    import io
+
+    f = io.BytesIO()
+    torch.save(t, f, _use_new_zipfile_serialization=False)
+    f.seek(0)
+    return torch.load(f, map_location=map_location)
