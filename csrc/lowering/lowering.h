@@ -106,6 +106,14 @@ class LoweringContext {
   void write(std::string_view name, hlo::Value value);
   std::vector<std::pair<std::string_view, hlo::Value>> writes;
 
+  // A check PyTorch makes on the input VALUES (CPU raises before computing):
+  // `bad` is a 0-d pred, true when the input is invalid. The eager executors
+  // raise RuntimeError(`message`, prefixed by the op) at the next sync point
+  // (debug mode: right after the op), as they do for index checks; graph
+  // lowering (torch.compile) does not evaluate them.
+  void check(hlo::Value bad, std::string message);
+  std::vector<std::pair<hlo::Value, std::string>> checks;
+
   // Debug label of the op being lowered: "aten::add.Tensor".
   std::string op_name() const;
 };

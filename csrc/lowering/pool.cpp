@@ -801,9 +801,9 @@ std::vector<Value> LowerUpsampleTrilinear3dBackward(LoweringContext& ctx) { retu
 // plane. Where several inputs name one output element PyTorch leaves the
 // winner unspecified (CPU's parallel loop keeps one of them); here the last
 // in input order wins, deterministically: the max input position is
-// scattered to each output element, then its value is gathered. Indices outside [0, prod(output_size)) are dropped here;
-// CPU raises "Found an invalid max index" (range checks for this op need an
-// index_checks kind bounded by an int-list product: see the issue notes).
+// scattered to each output element, then its value is gathered. Indices
+// outside [0, prod(output_size)) raise "Found an invalid max index" as on CPU
+// (a value check: at the next sync point, in debug mode at the op).
 // Backward: autograd calls max_pool_double_backward = gather (index.cpp).
 
 std::vector<Value> MaxUnpool(LoweringContext& ctx, size_t nsp) {
@@ -832,6 +832,9 @@ std::vector<Value> MaxUnpool(LoweringContext& ctx, size_t nsp) {
   // Out-of-range indices go to a spare column q (sliced off).
   Value valid = b.And(b.Compare(i, ConstLike(b, i, 0), CompareDirection::kGE),
                       b.Compare(i, ConstLike(b, i, static_cast<double>(q)), CompareDirection::kLT));
+  int64_t both[] = {0, 1};
+  ctx.check(ReduceOr(b, b.Not(valid), both, false),
+            "Found an invalid max index (outside [0, " + std::to_string(q) + "), the size of an output plane)");
   Value target = b.Select(valid, i, ConstLike(b, i, static_cast<double>(q)));
   const std::vector<int64_t> bp1{batch, plane, 1};
   Value rows = b.Iota(TensorType{ElementType::kS64, bp1}, 0);

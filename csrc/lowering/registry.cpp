@@ -193,4 +193,10 @@ void LoweringContext::write(std::string_view name, hlo::Value value) {
   writes.emplace_back(a.name, std::move(value));
 }
 
+void LoweringContext::check(hlo::Value bad, std::string message) {
+  if (!bad.type.dims.empty() || bad.element() != hlo::ElementType::kPred)
+    throw LoweringError(op_name() + ": a value check must be a 0-d pred, got " + bad.type.ToString());
+  checks.emplace_back(std::move(bad), std::move(message));
+}
+
 }  // namespace torch_tpu::lowering

@@ -555,6 +555,10 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
   } catch (const hlo::BuildError& e) {
     throw UnsupportedOp("lowering of " + name + " failed: " + e.what());
   }
+  for (auto& [bad, message] : ctx.checks)
+    index_checks.emplace_back(bad, Runtime::ValueCheckMessage(
+                                       name + ": " + message +
+                                       " (found at the next sync point; TORCH_TPU_EAGER_MODE=debug stops at the op)"));
   if (results.size() != spec.outputs.size())
     throw std::logic_error("lowering of " + name + " returned " + std::to_string(results.size()) + " values for " +
                            std::to_string(spec.outputs.size()) + " returns");

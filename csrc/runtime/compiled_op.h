@@ -118,8 +118,10 @@ class ProgramBuilder {
   hlo::Builder b;
   std::vector<InputSlot> inputs;
   std::vector<StorageState> storages;
-  // Index-range checks of the calls (entries' index_checks traits): a pred
-  // value (true = out of range) and the IndexError message.
+  // Checks of the calls: index ranges (entries' index_checks traits; the
+  // IndexError message) and the lowerings' value checks
+  // (LoweringContext::check; message marked by Runtime::ValueCheckMessage,
+  // raised as RuntimeError): a pred value, true = failed.
   std::vector<std::pair<hlo::Value, std::string>> index_checks;
 
   // Lowers one call (arguments at stack[first...]); returns, per return,

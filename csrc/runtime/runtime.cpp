@@ -275,6 +275,22 @@ void Runtime::Track(std::unique_ptr<pjrt::Event> event, std::string op_name) {
   inflight_.emplace_back(std::move(event), std::move(op_name));
 }
 
+namespace {
+// Value-check messages carry this first byte (stripped when raised), so one
+// list of pending checks serves IndexError and RuntimeError checks.
+constexpr char kValueCheckMark = '\x01';
+
+void RaiseIfFailed(pjrt::Buffer& flag, const std::string& message) {
+  bool failed = false;
+  flag.ToHost(&failed, sizeof(failed));
+  if (!failed) return;
+  if (!message.empty() && message[0] == kValueCheckMark) TORCH_CHECK(false, message.substr(1));
+  TORCH_CHECK_INDEX(false, message);
+}
+}  // namespace
+
+std::string Runtime::ValueCheckMessage(const std::string& message) { return kValueCheckMark + message; }
+
 void Runtime::AddPendingCheck(std::shared_ptr<pjrt::Buffer> flag, std::string message) {
   std::vector<std::pair<std::shared_ptr<pjrt::Buffer>, std::string>> due;
   {
@@ -282,11 +298,7 @@ void Runtime::AddPendingCheck(std::shared_ptr<pjrt::Buffer> flag, std::string me
     checks_.emplace_back(std::move(flag), std::move(message));
     if (checks_.size() >= 1024) due.swap(checks_);  // bound the memory of a program that never syncs
   }
-  for (auto& [f, m] : due) {
-    bool out_of_range = false;
-    f->ToHost(&out_of_range, sizeof(out_of_range));
-    TORCH_CHECK_INDEX(!out_of_range, m);
-  }
+  for (auto& [f, m] : due) RaiseIfFailed(*f, m);
 }
 
 void Runtime::Sync() {
@@ -315,9 +327,7 @@ void Runtime::Sync() {
     checks.swap(checks_);
   }
   for (auto& [flag, message] : checks) {
-    bool out_of_range = false;
-    flag->ToHost(&out_of_range, sizeof(out_of_range));
-    TORCH_CHECK_INDEX(!out_of_range, message);
+    RaiseIfFailed(*flag, message);
   }
 }
 

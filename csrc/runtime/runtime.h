@@ -130,6 +130,9 @@ class Runtime {
   // IndexError with the first failing check's message, as CPU would have
   // raised at the op (XLA clamps out-of-range gathers silently).
   void AddPendingCheck(std::shared_ptr<pjrt::Buffer> flag, std::string message);
+  // The message of a value check (LoweringContext::check): raised as
+  // RuntimeError; other check messages raise IndexError.
+  static std::string ValueCheckMessage(const std::string& message);
 
   // In-flight executions: an event per launch, named by its op. Sync()
   // waits for all and rethrows the first failure naming its op.

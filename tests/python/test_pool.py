@@ -359,3 +359,19 @@ def test_max_unpool_integer_input_raises_like_cpu():
         F.max_unpool2d(v, i, 2)
     with pytest.raises(NotImplementedError, match="Long"):
         F.max_unpool2d(tpu(v), tpu(i), 2)
+
+
+@pytest.mark.parametrize("mode", ["strict", "debug", "fused"])
+def test_max_unpool_invalid_index_raises_like_cpu(mode):
+    # CPU raises "Found an invalid max index"; on tpu the check runs on the
+    # device and raises at the next sync point (debug mode: at the op).
+    x, bad = torch.ones(1, 1, 1, 1), torch.tensor([[[[99]]]])
+    with pytest.raises(RuntimeError, match="Found an invalid max index"):
+        torch.nn.functional.max_unpool2d(x, bad, 2)
+    with torch_tpu.eager_mode(mode):
+        with pytest.raises(RuntimeError, match="Found an invalid max index"):
+            torch.nn.functional.max_unpool2d(x.to("tpu"), bad.to("tpu"), 2).cpu()
+        # the device keeps working, and valid indices are not flagged
+        good = torch.tensor([[[[3]]]])
+        torch.testing.assert_close(torch.nn.functional.max_unpool2d(x.to("tpu"), good.to("tpu"), 2).cpu(),
+                                   torch.nn.functional.max_unpool2d(x, good, 2))
