@@ -189,9 +189,10 @@ std::vector<Value> LowerExponential(LoweringContext& ctx) {
 // race, in decreasing order, are a weighted sample without replacement —
 // PyTorch's own CPU/CUDA algorithm (aten/src/ATen/native/Distributions.cpp,
 // multinomial). With replacement each sample runs its own race. Zero-weight
-// categories are never drawn. PyTorch's checks that need the values
-// (negative, inf or NaN weights, fewer non-zero categories than k without
-// replacement) are not made on tpu: such inputs give unspecified indices.
+// categories are never drawn. PyTorch's checks on the values (negative, inf
+// or NaN weights, an all-zero row, fewer non-zero categories than k without
+// replacement) are value checks (LoweringContext::check): RuntimeError with
+// CPU's message at the next sync point.
 std::vector<Value> LowerMultinomial(LoweringContext& ctx) {
   auto& b = ctx.b;
   const auto& out = ctx.outputs[0];
@@ -208,6 +209,24 @@ std::vector<Value> LowerMultinomial(LoweringContext& ctx) {
   if (rows == 0) return {Const(b, ElementType::kS64, 0, out.sizes)};
   const at::ScalarType t = FloatCompute(ctx.arg("self").dtype);
   w = b.Reshape(Cast(b, w, t), std::vector<int64_t>{rows, n});
+  {
+    // CPU's checks on the values (aten/src/ATen/native/Distributions.cpp).
+    int64_t both[] = {0, 1}, last[] = {1};
+    Value finite = b.IsFinite(w);
+    Value negative = b.Compare(w, ConstLike(b, w, 0), CompareDirection::kLT);
+    ctx.check(ReduceOr(b, b.Or(b.Not(finite), negative), both, false),
+              "probability tensor contains either `inf`, `nan` or element < 0");
+    Value positive = b.Compare(w, ConstLike(b, w, 0), CompareDirection::kGT);
+    Value count = ReduceSum(b, b.Convert(positive, ElementType::kS64), last, false);  // [rows]
+    ctx.check(ReduceOr(b, b.Compare(count, ConstLike(b, count, 0), CompareDirection::kEQ), std::vector<int64_t>{0},
+                       false),
+              "invalid multinomial distribution (sum of probabilities <= 0)");
+    if (!replacement)
+      ctx.check(ReduceOr(b, b.Compare(count, ConstLike(b, count, static_cast<double>(k)), CompareDirection::kLT),
+                         std::vector<int64_t>{0}, false),
+                "invalid multinomial distribution (with replacement=False, not enough non-negative category to "
+                "sample)");
+  }
   const Value stream = OwnStream(ctx);
   auto race = [&](const std::vector<int64_t>& dims, const Value& weights) {
     Value u = Cast(b, UniformFrom(b, stream, dims, t == at::kDouble), t);

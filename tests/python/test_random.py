@@ -289,3 +289,20 @@ def test_multinomial_shapes_seed_and_independent_calls():
 def test_multinomial_too_many_samples_without_replacement_raises():
     with pytest.raises(RuntimeError, match="cannot sample"):
         torch.multinomial(torch.ones(3, device=TPU), 4).cpu()
+
+
+@pytest.mark.parametrize("weights,k,replacement,message", [
+    ([0.5, -0.1], 1, True, "element < 0"),
+    ([float("nan"), 1.0], 1, True, "element < 0"),
+    ([float("inf"), 1.0], 1, False, "element < 0"),
+    ([0.0, 0.0], 1, True, "sum of probabilities"),
+    ([1.0, 0.0, 0.0], 2, False, "not enough non-negative category"),
+])
+def test_multinomial_invalid_weights_raise_like_cpu(weights, k, replacement, message):
+    w = torch.tensor(weights)
+    with pytest.raises(RuntimeError, match=message):
+        torch.multinomial(w, k, replacement)
+    # on tpu: a value check on the device, raised at the next sync point
+    with pytest.raises(RuntimeError, match=message):
+        torch.multinomial(w.to(TPU), k, replacement).cpu()
+    assert torch.multinomial(torch.tensor([0.2, 0.8], device=TPU), 2).cpu().sort().values.tolist() == [0, 1]
