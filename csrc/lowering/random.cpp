@@ -190,9 +190,10 @@ std::vector<Value> LowerExponential(LoweringContext& ctx) {
 // PyTorch's own CPU/CUDA algorithm (aten/src/ATen/native/Distributions.cpp,
 // multinomial). With replacement each sample runs its own race. Zero-weight
 // categories are never drawn. PyTorch's checks on the values (negative, inf
-// or NaN weights, an all-zero row, fewer non-zero categories than k without
-// replacement) are value checks (LoweringContext::check): RuntimeError with
-// CPU's message at the next sync point.
+// or NaN weights, an all-zero row) are value checks (LoweringContext::check):
+// RuntimeError with CPU's message at the next sync point. Without
+// replacement and fewer non-zero categories than k, CPU (2.13) draws
+// zero-weight categories after the others; so does this (stable order).
 std::vector<Value> LowerMultinomial(LoweringContext& ctx) {
   auto& b = ctx.b;
   const auto& out = ctx.outputs[0];
@@ -221,11 +222,6 @@ std::vector<Value> LowerMultinomial(LoweringContext& ctx) {
     ctx.check(ReduceOr(b, b.Compare(count, ConstLike(b, count, 0), CompareDirection::kEQ), std::vector<int64_t>{0},
                        false),
               "invalid multinomial distribution (sum of probabilities <= 0)");
-    if (!replacement)
-      ctx.check(ReduceOr(b, b.Compare(count, ConstLike(b, count, static_cast<double>(k)), CompareDirection::kLT),
-                         std::vector<int64_t>{0}, false),
-                "invalid multinomial distribution (with replacement=False, not enough non-negative category to "
-                "sample)");
   }
   const Value stream = OwnStream(ctx);
   auto race = [&](const std::vector<int64_t>& dims, const Value& weights) {
