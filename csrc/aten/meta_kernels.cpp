@@ -46,5 +46,32 @@ struct GeqrfMetaRegistrar {
 };
 const GeqrfMetaRegistrar geqrf_meta_registrar;
 
+// _logcumsumexp (PyTorch 2.13 has no Meta kernel): self's sizes and dtype;
+// CPU's dtype check. The out= overload resizes `out` like CPU's kernel.
+at::Tensor LogcumsumexpMeta(const at::Tensor& self, int64_t dim) {
+  TORCH_CHECK(at::isFloatingType(self.scalar_type()) || at::isComplexType(self.scalar_type()),
+              "\"logcumsumexp_out_cpu\" not implemented for '", self.scalar_type(), "'");
+  (void)at::maybe_wrap_dim(dim, self.dim());
+  return at::empty_like(self, at::MemoryFormat::Contiguous);
+}
+at::Tensor& LogcumsumexpOutMeta(const at::Tensor& self, int64_t dim, at::Tensor& out) {
+  at::Tensor r = LogcumsumexpMeta(self, dim);
+  out.resize_(r.sizes());
+  return out;
+}
+
+struct LogcumsumexpMetaRegistrar {
+  LogcumsumexpMetaRegistrar() {
+    auto& d = c10::Dispatcher::singleton();
+    static torch::Library lib(torch::Library::IMPL, "aten", c10::DispatchKey::Meta, __FILE__, __LINE__);
+    auto op = d.findSchema({"aten::_logcumsumexp", ""});
+    if (op && !op->hasKernelForDispatchKey(c10::DispatchKey::Meta)) lib.impl("_logcumsumexp", TORCH_FN(LogcumsumexpMeta));
+    auto out_op = d.findSchema({"aten::_logcumsumexp", "out"});
+    if (out_op && !out_op->hasKernelForDispatchKey(c10::DispatchKey::Meta))
+      lib.impl("_logcumsumexp.out", TORCH_FN(LogcumsumexpOutMeta));
+  }
+};
+const LogcumsumexpMetaRegistrar logcumsumexp_meta_registrar;
+
 }  // namespace
 }  // namespace torch_tpu::aten

@@ -2,7 +2,7 @@
 // (+backward), batch norm (+backward), dropout (+backward), nll_loss
 // (+backward), mse_loss (+backward), embedding_dense_backward, glu
 // (+backward), log_sigmoid_forward (+backward), _prelu_kernel (+backward),
-// binary_cross_entropy (+backward).
+// binary_cross_entropy (+backward), smooth_l1_loss / huber_loss (+backward).
 //
 // Everything computes in the op-math dtype (f32 for bf16/f16) and rounds
 // once to the meta kernel's output dtype.
@@ -730,6 +730,81 @@ std::vector<Value> LowerBinaryCrossEntropyBackward(LoweringContext& ctx) {
   return {Out(b, gi, out)};
 }
 
+// ---------------------------------------------------------------------------
+// smooth_l1_loss / huber_loss (self, target of broadcastable shapes; float
+// dtypes). Per element, z = |x - t|:
+//   smooth_l1: z < beta ? 0.5 z^2 / beta : z - 0.5 beta  (beta == 0: z, as
+//              CPU's l1_loss path; beta < 0 raises)
+//   huber:     z < delta ? 0.5 z^2 : delta (z - 0.5 delta)  (delta <= 0 raises)
+// computed in f32 for bf16/f16 and rounded to the dtype; then none/mean/sum
+// (the sum accumulated in f32, as CPU's sum/mean of the loss tensor).
+
+Value ReduceLoss(Builder& b, const Value& loss, int64_t reduction, at::ScalarType t, const OutputSpec& out) {
+  if (reduction == 0) return Out(b, loss, out);
+  Value l = RoundTo(b, loss, t);
+  Value s = ReduceSum(b, l, ReductionDims({}, l.rank()), false);
+  if (reduction == 1) s = b.Div(s, ConstLike(b, s, static_cast<double>(l.type.numel())));
+  return Out(b, s, out);
+}
+
+template <bool kHuber>
+double LossParam(const LoweringContext& ctx) {
+  const double v = ctx.float_arg(kHuber ? "delta" : "beta");
+  if (kHuber && !(v > 0)) throw LoweringError(ctx.op_name() + ": huber_loss does not support non-positive values for delta.");
+  if (!kHuber && v < 0) throw LoweringError(ctx.op_name() + ": smooth_l1_loss does not support negative values for beta.");
+  return v;
+}
+
+template <bool kHuber>
+std::vector<Value> LowerSmoothLoss(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  const double beta = LossParam<kHuber>(ctx);
+  at::ScalarType t = ResultType(ctx, {"self", "target"});
+  RequireFloating(ctx, t);
+  at::ScalarType acc = Acc(t);
+  Value x = ctx.tensor("self"), y = ctx.tensor("target");
+  std::vector<int64_t> shape = BroadcastShapes(x.dims(), y.dims());
+  Value z = b.Abs(b.Sub(Prepare(b, x, acc, shape), Prepare(b, y, acc, shape)));
+  Value half = ConstLike(b, z, 0.5), bt = ConstLike(b, z, beta);
+  Value loss;
+  if (kHuber) {
+    loss = b.Select(b.Compare(z, bt, CompareDirection::kLT), b.Mul(b.Mul(half, z), z),
+                    b.Mul(bt, b.Sub(z, b.Mul(half, bt))));
+  } else if (beta == 0) {
+    loss = z;
+  } else {
+    loss = b.Select(b.Compare(z, bt, CompareDirection::kLT), b.Div(b.Mul(b.Mul(half, z), z), bt),
+                    b.Sub(z, b.Mul(half, bt)));
+  }
+  return {ReduceLoss(b, loss, ctx.int_arg("reduction"), t, out)};
+}
+
+// Backward, d = x - t, norm = 1/numel for mean else 1 (CPU's branch order):
+//   smooth_l1: d <= -beta ? -norm g : d >= beta ? norm g : norm d g / beta
+//   huber:     d <= -delta ? -norm g delta : d >= delta ? norm g delta : norm d g
+template <bool kHuber>
+std::vector<Value> LowerSmoothLossBackward(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  const double beta = LossParam<kHuber>(ctx);
+  at::ScalarType t = out.dtype;
+  RequireFloating(ctx, t);
+  at::ScalarType acc = Acc(t);
+  const std::vector<int64_t>& shape = out.sizes;
+  Value x = Prepare(b, ctx.tensor("self"), acc, shape);
+  Value y = Prepare(b, ctx.tensor("target"), acc, shape);
+  Value g = Prepare(b, ctx.tensor("grad_output"), acc, shape);
+  const double norm = ctx.int_arg("reduction") == 1 ? 1.0 / static_cast<double>(Numel(shape)) : 1.0;
+  Value d = b.Sub(x, y);
+  Value ng = b.Mul(ConstLike(b, g, norm), g);
+  Value edge = kHuber ? b.Mul(ng, ConstLike(b, g, beta)) : ng;
+  Value mid = kHuber ? b.Mul(ng, d) : b.Div(b.Mul(ng, d), ConstLike(b, d, beta));
+  Value r = b.Select(b.Compare(d, ConstLike(b, d, beta), CompareDirection::kGE), edge, mid);
+  r = b.Select(b.Compare(d, ConstLike(b, d, -beta), CompareDirection::kLE), b.Neg(edge), r);
+  return {Out(b, r, out)};
+}
+
 }  // namespace
 
 TORCH_TPU_LOWERINGS({
@@ -760,6 +835,10 @@ TORCH_TPU_LOWERINGS({
     {"_prelu_kernel_backward", LowerPreluKernelBackward},
     {"binary_cross_entropy", LowerBinaryCrossEntropy},
     {"binary_cross_entropy_backward", LowerBinaryCrossEntropyBackward},
+    {"smooth_l1_loss", LowerSmoothLoss<false>},
+    {"smooth_l1_loss_backward", LowerSmoothLossBackward<false>},
+    {"huber_loss", LowerSmoothLoss<true>},
+    {"huber_loss_backward", LowerSmoothLossBackward<true>},
 });
 
 }  // namespace torch_tpu::lowering

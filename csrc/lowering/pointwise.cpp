@@ -544,6 +544,43 @@ std::vector<Value> LowerBitwiseNot(LoweringContext& ctx) {
 }
 
 // ---------------------------------------------------------------------------
+// erfinv: M. Giles, "Approximating the erfinv function" (GPU Computing Gems
+// Jade, 2011), single-precision polynomials in w = -log((1 - x)(1 + x)),
+// then two Newton steps on erf (the Erf above) in f64, rounded once: within
+// float32 tolerance of CPU for float/bf16/f16 (|x| < 1 there keeps
+// erfinv(x) < 4, where Erf's error is far below float's). Exact: +-1 ->
+// +-inf, |x| > 1 and NaN -> NaN. float64 inputs run on the CPU (Erf is not
+// accurate to double precision). Integers promote to the default float dtype.
+constexpr std::array<double, 9> kErfinvCentral = {1.50140941,      0.246640727,    -0.00417768164,
+                                                  -0.00125372503,  0.00021858087,  -4.39150654e-06,
+                                                  -3.5233877e-06,  3.43273939e-07, 2.81022636e-08};
+constexpr std::array<double, 9> kErfinvTail = {2.83297682,     1.00167406,     0.00943887047,
+                                               -0.0076224613,  0.00573950773,  -0.00367342844,
+                                               0.00134934322,  0.000100950558, -0.000200214257};
+
+std::vector<Value> LowerErfinv(LoweringContext& ctx) {
+  Pw p = MakePw(ctx, {"self"}, Promote::kIntToFloat);
+  if (p.common == at::kDouble)
+    throw LoweringError(ctx.op_name() + ": float64 erfinv needs a double-precision erf (runs on the CPU)");
+  p.compute = at::kDouble;
+  Builder& b = p.b;
+  Value x = p.In("self");
+  Value one = p.C(1);
+  Value w = b.Neg(b.Log(b.Mul(b.Sub(one, x), b.Add(one, x))));
+  Value central = b.Mul(Horner(b, b.Sub(w, p.C(2.5)), kErfinvCentral), x);
+  Value tail = b.Mul(Horner(b, b.Sub(b.Sqrt(w), p.C(3)), kErfinvTail), x);
+  Value y = b.Select(Cmp(b, w, p.C(5), kLT), central, tail);
+  for (int i = 0; i < 2; ++i) {
+    Value deriv = b.Mul(p.C(1.12837916709551257390), b.Exp(b.Neg(b.Mul(y, y))));
+    y = b.Sub(y, b.Div(b.Sub(Erf(b, y), x), deriv));
+  }
+  Value ax = b.Abs(x);
+  y = b.Select(Cmp(b, ax, one, kEQ), b.Mul(x, p.C(std::numeric_limits<double>::infinity())), y);
+  y = b.Select(b.Or(Cmp(b, ax, one, kGT), IsNan(b, x)), p.C(std::numeric_limits<double>::quiet_NaN()), y);
+  return {p.Done(y)};
+}
+
+// ---------------------------------------------------------------------------
 // Activations and their backward ops. They compute in the opmath type of the
 // input's dtype.
 
@@ -744,6 +781,44 @@ std::vector<Value> LowerMish(LoweringContext& ctx) {
   return {p.Done(b.Mul(x, b.Tanh(FLog1p(b, b.Exp(x)))))};
 }
 
+// hardsigmoid(x) = min(max(x + 3, 0), 6) / 6 (NaN propagates, as CPU's
+// std::min/std::max and vectorized minimum/maximum do).
+Value HardRelu6(const Pw& p, const Value& x) {
+  return MinPropagateNaN(p.b, MaxPropagateNaN(p.b, p.b.Add(x, p.C(3)), p.C(0)), p.C(6));
+}
+
+std::vector<Value> LowerHardsigmoid(LoweringContext& ctx) {
+  Pw p = ActivationPw(ctx, {"self"});
+  return {p.Done(p.b.Div(HardRelu6(p, p.In("self")), p.C(6)))};
+}
+
+// hardsigmoid_backward(dy, x) = -3 < x < 3 ? dy / 6 : 0
+std::vector<Value> LowerHardsigmoidBackward(LoweringContext& ctx) {
+  Pw p = ActivationPw(ctx, {"grad_output", "self"});
+  Builder& b = p.b;
+  Value x = p.In("self");
+  Value inside = b.And(Cmp(b, x, p.C(-3), kGT), Cmp(b, x, p.C(3), kLT));
+  return {p.Done(b.Select(inside, b.Div(p.In("grad_output"), p.C(6)), p.C(0)))};
+}
+
+// hardswish(x) = x * min(max(x + 3, 0), 6) / 6
+std::vector<Value> LowerHardswish(LoweringContext& ctx) {
+  Pw p = ActivationPw(ctx, {"self"});
+  Value x = p.In("self");
+  return {p.Done(p.b.Div(p.b.Mul(x, HardRelu6(p, x)), p.C(6)))};
+}
+
+// hardswish_backward(dy, x) = x <= -3 ? 0 : x < 3 ? dy * (x / 3 + 0.5) : dy
+// (CPU's branch order: NaN x gives dy).
+std::vector<Value> LowerHardswishBackward(LoweringContext& ctx) {
+  Pw p = ActivationPw(ctx, {"grad_output", "self"});
+  Builder& b = p.b;
+  Value dy = p.In("grad_output"), x = p.In("self");
+  Value mid = b.Mul(dy, b.Add(b.Div(x, p.C(3)), p.C(0.5)));
+  Value r = b.Select(Cmp(b, x, p.C(3), kLT), mid, dy);
+  return {p.Done(b.Select(Cmp(b, x, p.C(-3), kLE), p.C(0), r))};
+}
+
 }  // namespace
 
 TORCH_TPU_LOWERINGS({
@@ -778,6 +853,7 @@ TORCH_TPU_LOWERINGS({
     {"tanh", UnaryFloat<FTanh>},
     {"sigmoid", UnaryFloat<FSigmoid>},
     {"erf", UnaryFloat<FErf>},
+    {"erfinv", LowerErfinv},
     // rounding
     {"floor", RoundingOp<FFloor>},
     {"ceil", RoundingOp<FCeil>},
@@ -836,6 +912,10 @@ TORCH_TPU_LOWERINGS({
     {"softplus", LowerSoftplus},
     {"softplus_backward", LowerSoftplusBackward},
     {"mish", LowerMish},
+    {"hardsigmoid", LowerHardsigmoid},
+    {"hardsigmoid_backward", LowerHardsigmoidBackward},
+    {"hardswish", LowerHardswish},
+    {"hardswish_backward", LowerHardswishBackward},
 });
 
 }  // namespace torch_tpu::lowering

@@ -1,5 +1,5 @@
 // Random sampling: uniform_, normal (in-place and functional overloads),
-// bernoulli, random_, exponential_, multinomial. torch.rand/randn/randint/
+// bernoulli, random_, exponential_, multinomial, randperm. torch.rand/randn/randint/
 // rand_like/dropout masks reach these through empty + the in-place op.
 //
 // Bits come from stablehlo.rng_bit_generator (THREE_FRY) seeded with the op's
@@ -263,10 +263,32 @@ std::vector<Value> LowerMultinomial(LoweringContext& ctx) {
   return {Out(b, idx, out)};
 }
 
+// randperm(n) -> (n) in the output's dtype (int64 by default): one random
+// u64 key per position from a stream of the op's own (OwnStream: the keys
+// are 64-bit draws, more than the output's n elements), then iota(n) stably
+// sorted by key; equal keys (probability ~n^2 / 2^65) keep index order.
+std::vector<Value> LowerRandperm(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  const int64_t n = ctx.int_arg("n");
+  if (n < 0) throw LoweringError(ctx.op_name() + ": n must be non-negative, got " + std::to_string(n));
+  std::vector<int64_t> dims{n};
+  if (n == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  Value stream = OwnStream(ctx);
+  Value keys = b.RngBitGenerator(stream, TensorType{ElementType::kU64, dims}).second;
+  Value iota = b.Iota(TensorType{ElementType::kS64, dims}, 0);
+  Value in[] = {keys, iota};
+  auto sorted = b.Sort(in, 0, true, [](Builder& bb, std::span<const Value> a) {
+    return std::vector<Value>{bb.Compare(a[0], a[1], CompareDirection::kLT)};
+  });
+  return {Out(b, sorted[1], out)};
+}
+
 }  // namespace
 
 TORCH_TPU_LOWERINGS({
     {"multinomial", LowerMultinomial, {.needs_rng = true}},
+    {"randperm", LowerRandperm, {.needs_rng = true}},
     {"uniform", LowerUniform, {.needs_rng = true}},
     {"normal", LowerNormal, {.needs_rng = true}},
     {"bernoulli", LowerBernoulli, {.needs_rng = true}},

@@ -1,5 +1,6 @@
 // Reductions: sum, mean, prod, amax/amin, aminmax, max/min (full and .dim with
 // indices), argmax/argmin, any/all, var/std (+_mean), cumsum/cumprod,
+// _logcumsumexp,
 // logsumexp, linalg_vector_norm and norm.
 //
 // PyTorch semantics: bf16/f16 reductions accumulate in f32 and round once;
@@ -299,6 +300,46 @@ std::vector<Value> LowerCum(LoweringContext& ctx, bool is_sum) {
   if (x.element() == ElementType::kPred) x = b.Convert(x, ElementType::kS64);
   return {Fit(b, Cast(b, Scan(b, x, dim, is_sum), out.dtype), out.sizes)};
 }
+// _logcumsumexp(self, dim): inclusive scan along dim (the Hillis-Steele
+// shifts of Scan, padding with -inf, the identity) of CPU's
+// _log_add_exp_helper: with lo = min(a, b), hi = max(a, b) (NaN if either
+// is), hi + log1p(exp(lo - hi)), except a when lo == hi is infinite (-inf
+// with -inf, inf with inf). Floating dtypes only (CPU raises for others);
+// computed in CPU's accumulator type (f64 for float, f32 for bf16/f16) and
+// rounded once: the backward's exp(b + x) cancels large b and x, so a
+// 1-ulp difference in a forward value of magnitude 1e4 would show.
+Value LogAddExpCombine(Builder& b, const Value& a, const Value& c) {
+  Value lo = MinPropagateNaN(b, a, c), hi = MaxPropagateNaN(b, a, c);
+  Value r = b.Add(hi, b.Unary("stablehlo.log_plus_one", b.Exp(b.Sub(lo, hi))));
+  Value same_inf = b.And(b.Compare(lo, hi, hlo::CompareDirection::kEQ), b.Not(b.IsFinite(lo)));
+  return b.Select(same_inf, a, r);
+}
+
+std::vector<Value> LowerLogcumsumexp(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  if (!at::isFloatingType(out.dtype))
+    throw LoweringError(ctx.op_name() + ": not implemented for '" + std::string(c10::toString(out.dtype)) + "'");
+  // CPU's accumulator: at::acc_type<scalar_t, /*is_cuda=*/false> (double
+  // for float, float for bf16/f16), each output rounded once.
+  const at::ScalarType acc = out.dtype == at::kFloat ? at::kDouble : OpMathType(out.dtype);
+  Value x = Cast(b, ctx.tensor("self"), acc);
+  if (x.rank() == 0) return {Out(b, x, out)};
+  const int64_t dim = NormalizeDim(ctx.int_arg("dim"), x.rank());
+  const int64_t n = x.dims()[static_cast<size_t>(dim)];
+  const size_t r = static_cast<size_t>(x.rank());
+  Value identity = Const(b, x.element(), -std::numeric_limits<double>::infinity());
+  for (int64_t k = 1; k < n; k *= 2) {
+    std::vector<int64_t> start(r, 0), limit = x.dims(), stride(r, 1);
+    limit[static_cast<size_t>(dim)] = n - k;
+    Value head = b.Slice(x, start, limit, stride);
+    std::vector<int64_t> low(r, 0), high(r, 0), interior(r, 0);
+    low[static_cast<size_t>(dim)] = k;
+    x = LogAddExpCombine(b, x, b.Pad(head, identity, low, high, interior));
+  }
+  return {Out(b, x, out)};
+}
+
 std::vector<Value> LowerCumsum(LoweringContext& ctx) { return LowerCum(ctx, true); }
 std::vector<Value> LowerCumprod(LoweringContext& ctx) { return LowerCum(ctx, false); }
 
@@ -374,6 +415,7 @@ TORCH_TPU_LOWERINGS({
     {"std_mean", LowerStd},
     {"cumsum", LowerCumsum},
     {"cumprod", LowerCumprod},
+    {"_logcumsumexp", LowerLogcumsumexp},
     {"logsumexp", LowerLogsumexp},
     {"linalg_vector_norm", LowerNorm, {.static_scalars = true}},
     {"norm", LowerNorm, {.static_scalars = true}},

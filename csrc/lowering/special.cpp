@@ -1,5 +1,7 @@
 // Special functions: xlogy, special_xlog1py, special_entr, copysign, heaviside,
-// isposinf/isneginf, logit (+logit_backward), lgamma, digamma, polygamma
+// isposinf/isneginf, logit (+logit_backward), lgamma, digamma, polygamma,
+// logaddexp, logaddexp2, hypot, nextafter, sinc, trace, i0, special_i1
+// (erfinv is in pointwise.cpp, next to erf)
 // (mvlgamma is PyTorch's composite of arange, add, lgamma and sum).
 //
 // Type promotion follows TensorIterator (as in pointwise.cpp): a common dtype
@@ -394,6 +396,155 @@ std::vector<Value> LowerPolygamma(LoweringContext& ctx) {
   return {o.Done(Polygamma(ctx.b, n, o.In("self"), o.common != at::kDouble))};
 }
 
+// --- logaddexp / logaddexp2 / hypot / nextafter / sinc / trace -----------
+
+void RequireFloat(const LoweringContext& ctx, ScalarType t) {
+  if (!IsFloat(t))
+    throw LoweringError(ctx.op_name() + ": not implemented for '" + std::string(c10::toString(t)) + "'");
+}
+
+// logaddexp(a, b) = a if a, b are the same infinity, else
+// max(a, b) + log1p(exp(-|a - b|)); logaddexp2 the same in base 2:
+// max + log1p(exp2(-|a - b|)) / ln 2 (CPU's formulas; bf16/f16 computed in
+// f32 and rounded once). Floating dtypes only, as CPU.
+template <bool kBase2>
+std::vector<Value> LowerLogAddExp(LoweringContext& ctx) {
+  Operands o = MakeOps(ctx, {"self", "other"}, false);
+  RequireFloat(ctx, o.common);
+  Builder& b = ctx.b;
+  Value x = o.In("self"), y = o.In("other");
+  Value m = MaxPropagateNaN(b, x, y);
+  Value nd = b.Neg(b.Abs(b.Sub(x, y)));
+  Value t = kBase2 ? b.Div(b.Unary("stablehlo.log_plus_one", b.Pow(o.C(2), nd)), o.C(0.69314718055994530942))
+                   : b.Unary("stablehlo.log_plus_one", b.Exp(nd));
+  Value r = b.Add(m, t);
+  Value same_inf = b.And(b.Compare(b.Abs(x), o.C(kInf), kEQ), b.Compare(x, y, kEQ));
+  return {o.Done(Sel(b, same_inf, x, r))};
+}
+
+// hypot(a, b) = m sqrt(1 + (n / m)^2), m = max(|a|, |b|), n = min (no
+// overflow for large finite inputs); 0 when both are 0; +inf when either is
+// infinite (even with a NaN, as std::hypot). Computed in f64 for
+// float/bf16/f16 (then correctly rounded bar double rounding), f64 as is.
+std::vector<Value> LowerHypot(LoweringContext& ctx) {
+  Operands o = MakeOps(ctx, {"self", "other"}, false, /*wide=*/true);
+  RequireFloat(ctx, o.common);
+  Builder& b = ctx.b;
+  Value ax = b.Abs(o.In("self")), ay = b.Abs(o.In("other"));
+  Value m = MaxPropagateNaN(b, ax, ay), n = MinPropagateNaN(b, ax, ay);
+  Value r = b.Div(n, m);
+  Value h = b.Mul(m, b.Sqrt(b.Add(o.C(1), b.Mul(r, r))));
+  h = Sel(b, b.Compare(m, o.C(0), kEQ), o.C(0), h);
+  Value inf = b.Or(b.Compare(ax, o.C(kInf), kEQ), b.Compare(ay, o.C(kInf), kEQ));
+  return {o.Done(Sel(b, inf, o.C(kInf), h))};
+}
+
+// nextafter(x, y): the next representable value after x towards y, in the
+// common dtype's bits (std::nextafter; bf16 as c10's bit version): NaN if
+// either is NaN; y if x == y; +-smallest subnormal (y's sign) if x == 0;
+// else the bit pattern of x moved by one away from (x < y) == (x > 0) ? 0 :
+// towards 0.
+std::vector<Value> LowerNextafter(LoweringContext& ctx) {
+  Operands o = MakeOps(ctx, {"self", "other"}, false);
+  RequireFloat(ctx, o.common);
+  o.compute = o.common;
+  Builder& b = ctx.b;
+  Value x = o.In("self"), y = o.In("other");
+  ElementType it;
+  int64_t neg_tiny;
+  switch (hlo::BitWidth(x.element())) {
+    case 16: it = ElementType::kS16; neg_tiny = -32767; break;
+    case 32: it = ElementType::kS32; neg_tiny = -2147483647LL; break;
+    default: it = ElementType::kS64; neg_tiny = std::numeric_limits<int64_t>::min() + 1; break;
+  }
+  Value bits = b.BitcastConvert(x, it);
+  Value one = ConstLike(b, bits, 1);
+  Value zero = o.C(0);
+  Value away = b.Compare(b.Compare(x, y, kLT), b.Compare(x, zero, kGT), kEQ);
+  Value moved = b.BitcastConvert(Sel(b, away, b.Add(bits, one), b.Sub(bits, one)), x.element());
+  Value tiny_pos = b.BitcastConvert(one, x.element());
+  Value tiny_neg = b.BitcastConvert(BroadcastTo(b, b.ConstantInt(TensorType{it, {}}, neg_tiny), o.sizes), x.element());
+  Value r = Sel(b, b.Compare(x, zero, kEQ), Sel(b, b.Compare(y, zero, kGT), tiny_pos, tiny_neg), moved);
+  r = Sel(b, b.Compare(x, y, kEQ), y, r);
+  return {Sel(b, b.Or(IsNan(b, x), IsNan(b, y)), b.Add(x, y), r)};
+}
+
+// sinc(x) = 1 at 0, else sin(pi x) / (pi x) with pi x computed in the op-math
+// dtype as CPU (f32 for float/bf16/f16); integers promote to the default
+// float dtype.
+std::vector<Value> LowerSinc(LoweringContext& ctx) {
+  Operands o = MakeOps(ctx, {"self"}, true);
+  Builder& b = ctx.b;
+  Value x = o.In("self");
+  Value px = b.Mul(o.C(kPi), x);
+  Value r = b.Div(b.Unary("stablehlo.sine", px), px);
+  return {o.Done(Sel(b, b.Compare(x, o.C(0), kEQ), o.C(1), r))};
+}
+
+// trace(self): sum of the main diagonal of a 2-D tensor (n, m) -> 0-d;
+// integer inputs give int64 (the meta kernel's dtype), bf16/f16
+// accumulate in f32; bool and complex run on the CPU (which rejects bool).
+std::vector<Value> LowerTrace(LoweringContext& ctx) {
+  Builder& b = ctx.b;
+  const OutputSpec& out = ctx.outputs.at(0);
+  Value x = ctx.tensor("self");
+  if (x.rank() != 2) throw LoweringError(ctx.op_name() + ": trace: expected a matrix, but got tensor with dim " + std::to_string(x.rank()));
+  const LoweredArg& a = ctx.arg("self");
+  if (at::isComplexType(a.dtype) || a.dtype == at::kBool)
+    throw LoweringError(ctx.op_name() + ": not implemented for '" + std::string(c10::toString(a.dtype)) + "'");
+  ScalarType acc = IsFloat(out.dtype) ? OpMathType(out.dtype) : out.dtype;
+  Value v = Cast(b, x, acc);
+  TensorType it{ElementType::kS64, x.dims()};
+  Value diag = b.Compare(b.Iota(it, 0), b.Iota(it, 1), kEQ);
+  Value masked = Sel(b, diag, v, ConstLike(b, v, 0));
+  return {Out(b, ReduceSum(b, masked, std::vector<int64_t>{0, 1}, false), out)};
+}
+
+// i0(x) and special_i1(x), the modified Bessel functions of orders 0 and 1,
+// in f64 (rounded once; integers promote to the default float dtype). i0 is
+// even, i1 odd (sign(x) i1(|x|)); a = |x|:
+//  - a <= 30: the power series sum_k (a^2/4)^k / (k! (k + nu)!) (times a/2
+//    for nu = 1; Abramowitz & Stegun 9.6.10; positive terms, 90 of them: the
+//    last is < 1e-17 of the sum at 30);
+//  - a > 30: the asymptotic expansion e^a / sqrt(2 pi a) * sum_k t_k,
+//    t_k = t_(k-1) ((2k - 1)^2 - 4 nu^2) / (8 k a) (A&S 9.7.1; 20 terms, the
+//    truncation error is ~1e-20 relative at 30), with e^a split in two
+//    halves so that finite results do not overflow early.
+// As CPU (Cephes, which multiplies by exp(|x|) in the op-math type): inf
+// where that overflows (|x| > log(FLT_MAX) for float/bf16/f16, log(DBL_MAX)
+// for double), NaN at +-inf (inf / inf), NaN kept.
+template <int kNu>
+std::vector<Value> LowerBesselI(LoweringContext& ctx) {
+  Operands o = MakeOps(ctx, {"self"}, true, /*wide=*/true);
+  o.compute = at::kDouble;
+  Builder& b = ctx.b;
+  Value x = o.In("self");
+  Value a = b.Abs(x);
+  Value small_a = Sel(b, b.Compare(a, o.C(30), kLE), a, o.C(0));
+  Value q = b.Mul(b.Mul(small_a, small_a), o.C(0.25));
+  Value term = o.C(1), series = o.C(1);
+  for (int k = 1; k <= 90; ++k) {
+    term = b.Mul(term, b.Mul(q, o.C(1.0 / (static_cast<double>(k) * (k + kNu)))));
+    series = b.Add(series, term);
+  }
+  if (kNu == 1) series = b.Mul(series, b.Mul(small_a, o.C(0.5)));
+  Value big_a = Sel(b, b.Compare(a, o.C(30), kGT), a, o.C(31));
+  Value t = o.C(1), asym = o.C(1);
+  for (int k = 1; k <= 20; ++k) {
+    const double c = ((2.0 * k - 1) * (2.0 * k - 1) - 4.0 * kNu * kNu) / (8.0 * k);
+    t = b.Div(b.Mul(t, o.C(c)), big_a);
+    asym = b.Add(asym, t);
+  }
+  Value half = b.Exp(b.Mul(big_a, o.C(0.5)));
+  Value large = b.Mul(half, b.Mul(half, b.Div(asym, b.Sqrt(b.Mul(big_a, o.C(2 * kPi))))));
+  Value r = Sel(b, b.Compare(a, o.C(30), kLE), series, large);
+  const double overflow = o.common == at::kDouble ? 709.782712893384 : 88.72283905206835;
+  r = Sel(b, b.Compare(a, o.C(overflow), kGT), o.C(kInf), r);
+  r = Sel(b, b.Compare(a, o.C(kInf), kEQ), o.C(kNaN), r);
+  if (kNu == 1) r = Sel(b, b.Compare(x, o.C(0), kLT), b.Neg(r), r);
+  return {o.Done(Sel(b, IsNan(b, a), a, r))};
+}
+
 }  // namespace
 
 TORCH_TPU_LOWERINGS({
@@ -409,6 +560,14 @@ TORCH_TPU_LOWERINGS({
     {"lgamma", GammaUnary<0>},
     {"digamma", GammaUnary<1>},
     {"polygamma", LowerPolygamma},
+    {"logaddexp", LowerLogAddExp<false>},
+    {"logaddexp2", LowerLogAddExp<true>},
+    {"hypot", LowerHypot},
+    {"nextafter", LowerNextafter},
+    {"sinc", LowerSinc},
+    {"trace", LowerTrace},
+    {"i0", LowerBesselI<0>},
+    {"special_i1", LowerBesselI<1>},
 });
 
 }  // namespace torch_tpu::lowering

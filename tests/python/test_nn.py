@@ -477,3 +477,53 @@ def test_binary_cross_entropy_out():
     with no_cpu_fallback():
         torch._C._nn.binary_cross_entropy(tpu(p), tpu(y), None, 2, out=out)
     check(out, F.binary_cross_entropy(p, y, reduction="sum"))
+
+
+# ---------------------------------------------------------------------------
+# smooth_l1_loss / huber_loss (+backward)
+
+def _loss_inputs():
+    x = _rand((4, 6), seed=3, scale=2)
+    y = _rand((4, 6), seed=4, scale=2)
+    # differences exactly at +-beta / +-delta (0.5) and 0
+    x[0, :4] = torch.tensor([1.0, 1.0, 2.0, -1.0])
+    y[0, :4] = torch.tensor([0.5, 1.5, 2.0, -0.5])
+    return x, y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("kind,param", [("smooth_l1", 1.0), ("smooth_l1", 0.5), ("smooth_l1", 0.0),
+                                        ("huber", 1.0), ("huber", 0.5)])
+def test_smooth_l1_and_huber(kind, param, reduction, dtype):
+    x, y = _loss_inputs()
+    if kind == "smooth_l1":
+        fn = lambda x, y: F.smooth_l1_loss(x, y, reduction=reduction, beta=param)  # noqa: E731
+    else:
+        fn = lambda x, y: F.huber_loss(x, y, reduction=reduction, delta=param)  # noqa: E731
+    _both_with_grads(fn, [x, y], dtype)
+
+
+@pytest.mark.parametrize("name", ["smooth_l1_loss", "huber_loss"])
+def test_smooth_l1_huber_backward_ops_out_and_errors(name):
+    x, y = _loss_inputs()
+    g = _rand((4, 6), seed=6)
+    param = 0.5
+    for reduction in (0, 1, 2):
+        gout = g if reduction == 0 else g[0, 0]
+        bw = getattr(torch.ops.aten, name + "_backward")
+        expected = bw(gout, x, y, reduction, param)
+        with no_cpu_fallback():
+            actual = bw(tpu(gout), tpu(x), tpu(y), reduction, param)
+        check(actual, expected)
+    out = torch.empty((), device=TPU)
+    with no_cpu_fallback():
+        getattr(torch._C._nn, name)(tpu(x), tpu(y), 2, param, out=out)
+    check(out, getattr(torch._C._nn, name)(x, y, 2, param))
+    # broadcasting target (CPU warns and broadcasts)
+    with no_cpu_fallback():
+        r = getattr(torch._C._nn, name)(tpu(x), tpu(y[0]), 0, param)
+    check(r, getattr(torch._C._nn, name)(x, y[0], 0, param))
+    bad = -1.0 if name == "smooth_l1_loss" else 0.0
+    with pytest.raises(RuntimeError, match="beta" if name == "smooth_l1_loss" else "delta"):
+        getattr(torch._C._nn, name)(tpu(x), tpu(y), 1, bad)

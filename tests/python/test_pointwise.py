@@ -33,6 +33,7 @@ logical_and logical_or logical_xor logical_not bitwise_and bitwise_or bitwise_xo
 bitwise_not relu threshold threshold_backward gelu gelu_backward silu
 silu_backward sigmoid_backward tanh_backward hardtanh hardtanh_backward
 leaky_relu leaky_relu_backward elu elu_backward softplus softplus_backward mish
+hardswish hardswish_backward hardsigmoid hardsigmoid_backward erfinv
 """.split())
 
 BF16_TOL = dict(atol=1.6e-2, rtol=1.6e-2)
@@ -318,6 +319,8 @@ UNARY = {
     "elu": lambda t: torch.nn.functional.elu(t, 0.7),
     "softplus": lambda t: torch.nn.functional.softplus(t, beta=2, threshold=3),
     "threshold": lambda t: torch.threshold(t, 0.5, -2.0),
+    "hardswish": torch.nn.functional.hardswish,
+    "hardsigmoid": torch.nn.functional.hardsigmoid,
 }
 POSITIVE = {"sqrt", "rsqrt", "log", "log2", "log10"}
 
@@ -618,6 +621,8 @@ BACKWARD_OPS = {
     "elu_backward_result": lambda g, x: torch.ops.aten.elu_backward(
         g, 0.5, 1.2, 1.0, True, torch.nn.functional.elu(x, 0.5)),
     "softplus_backward": lambda g, x: torch.ops.aten.softplus_backward(g, x, 1.5, 2.0),
+    "hardswish_backward": lambda g, x: torch.ops.aten.hardswish_backward(g, x * 3),
+    "hardsigmoid_backward": lambda g, x: torch.ops.aten.hardsigmoid_backward(g, x * 3),
 }
 
 
@@ -640,6 +645,8 @@ AUTOGRAD = {
     "leaky_relu": torch.nn.functional.leaky_relu,
     "elu": torch.nn.functional.elu,
     "softplus": torch.nn.functional.softplus,
+    "hardswish": lambda x: torch.nn.functional.hardswish(x * 2),
+    "hardsigmoid": lambda x: torch.nn.functional.hardsigmoid(x * 2),
     "sqrt": lambda x: torch.sqrt(x * x + 0.5),
     "rsqrt": lambda x: torch.rsqrt(x * x + 0.5),
     "exp_log": lambda x: torch.log(torch.exp(x) + 1),
@@ -719,3 +726,22 @@ def test_div_rounding_low_precision_exact(mode, dtype):
         x = tpu(a.clone())
         x.div_(tpu(b), rounding_mode=mode)
     check(x, torch.div(a, b, rounding_mode=mode), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["hardswish", "hardsigmoid"])
+def test_hard_activations_edges_out_inplace(name, dtype):
+    """Values at and around the kinks (+-3), NaN/inf; out= and in-place."""
+    fn = getattr(torch.nn.functional, name)
+    x = torch.tensor([-4.0, -3.0, -2.999, -1.0, 0.0, 1.0, 2.999, 3.0, 4.0, math.nan, math.inf, -math.inf]).to(dtype)
+    run_both(fn, x)
+    g = torch.linspace(-2, 2, x.numel()).to(dtype)
+    run_both(lambda g, x: getattr(torch.ops.aten, name + "_backward")(g, x), g, x)
+    out = torch.empty(x.shape, dtype=dtype, device=TPU)
+    with no_fallback():
+        getattr(torch._C._nn, name)(x.to(TPU), out=out)
+    torch.testing.assert_close(out.cpu(), fn(x), equal_nan=True)
+    t = x.to(TPU)
+    with no_fallback():
+        fn(t, inplace=True)
+    torch.testing.assert_close(t.cpu(), fn(x), equal_nan=True)

@@ -16,7 +16,7 @@ import torch
 import torch_tpu
 
 TPU = torch.device("tpu")
-OURS = {"uniform", "normal", "bernoulli", "random", "exponential", "multinomial"}
+OURS = {"uniform", "normal", "bernoulli", "random", "exponential", "multinomial", "randperm"}
 N = 100_000
 
 
@@ -305,3 +305,40 @@ def test_multinomial_invalid_weights_raise_like_cpu(weights, k, replacement, mes
     with pytest.raises(RuntimeError, match=message):
         torch.multinomial(w.to(TPU), k, replacement).cpu()
     assert torch.multinomial(torch.tensor([0.2, 0.8], device=TPU), 2).cpu().sort().values.tolist() == [0, 1]
+
+
+# --- randperm -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [0, 1, 7, 1000])
+def test_randperm_is_a_permutation(n, dtype):
+    with no_fallback():
+        p = torch.randperm(n, device=TPU, dtype=dtype)
+    assert p.device.type == "tpu" and p.dtype == dtype and p.shape == (n,)
+    # the same checks as on CPU's result: sorted it is arange(n)
+    expected = torch.randperm(n, dtype=dtype).sort().values
+    torch.testing.assert_close(p.cpu().sort().values, expected, rtol=0, atol=0)
+
+
+def test_randperm_seeded_generator_out_and_uniformity():
+    torch.manual_seed(11)
+    with no_fallback():
+        a, b = torch.randperm(50, device=TPU).cpu(), torch.randperm(50, device=TPU).cpu()
+    torch.manual_seed(11)
+    with no_fallback():
+        a2 = torch.randperm(50, device=TPU).cpu()
+    assert torch.equal(a, a2) and not torch.equal(a, b)
+    g1, g2 = torch.Generator(TPU).manual_seed(3), torch.Generator(TPU).manual_seed(3)
+    with no_fallback():
+        assert torch.equal(torch.randperm(20, generator=g1, device=TPU).cpu(),
+                           torch.randperm(20, generator=g2, device=TPU).cpu())
+    out = torch.empty(9, dtype=torch.int32, device=TPU)
+    with no_fallback():
+        torch.randperm(9, out=out)
+    assert torch.equal(out.cpu().sort().values, torch.arange(9, dtype=torch.int32))
+    # every value lands at every position about equally often: 4000 draws of
+    # randperm(4), each of the 16 (value, position) counts ~1000 (std ~27)
+    with no_fallback():
+        perms = torch.stack([torch.randperm(4, device=TPU) for _ in range(4000)]).cpu()
+    counts = torch.stack([(perms == v).sum(0) for v in range(4)])
+    assert ((counts - 1000).abs() < 150).all(), counts

@@ -17,7 +17,7 @@ BF16_TOL = dict(atol=1.6e-2, rtol=1.6e-2)
 
 OURS = set("""
 sum nansum count_nonzero mean prod amax amin max min argmax argmin any all var std var_mean std_mean
-cumsum cumprod logsumexp linalg_vector_norm norm
+cumsum cumprod logsumexp linalg_vector_norm norm _logcumsumexp
 """.split())
 
 
@@ -418,3 +418,35 @@ def test_aminmax_nan_0d_and_out():
     e = torch.aminmax(x, dim=0)
     torch.testing.assert_close(mn.cpu(), e.min, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(mx.cpu(), e.max, atol=0, rtol=0, equal_nan=True)
+
+
+# --- _logcumsumexp -----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_logcumsumexp(dtype, dim):
+    x = make((5, 9), torch.float32, seed=3) * 30   # spreads far beyond exp's range
+    x[0, 2] = -math.inf
+    x[1, :] = -math.inf        # a row of -inf stays -inf
+    x[2, 3] = math.inf
+    x[3, 4:6] = math.inf       # inf with inf stays inf
+    x[4, 5] = math.nan
+    run_both(lambda t: torch.logcumsumexp(t, dim), x.to(dtype))
+
+
+def test_logcumsumexp_shapes_out_autograd():
+    run_both(lambda t: torch.logcumsumexp(t, 0), torch.tensor(2.5))          # 0-d
+    run_both(lambda t: torch.logcumsumexp(t, 1), make((2, 0, 3), torch.float32))  # empty
+    run_both(lambda t: torch.logcumsumexp(t, 0), make((37,), torch.float32, seed=5))  # non power of 2
+    x = make((4, 6), torch.float32, seed=7)
+    out = torch.empty(4, 6, device=TPU)
+    with no_fallback():
+        torch.logcumsumexp(tpu(x), 1, out=out)
+    check(out, torch.logcumsumexp(x, 1))
+    xc, xt = x.clone().requires_grad_(), tpu(x).requires_grad_()
+    torch.logcumsumexp(xc, 1).sum().backward()
+    with no_fallback():
+        torch.logcumsumexp(xt, 1).sum().backward()
+    check(xt.grad, xc.grad, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="Long"):
+        torch.logcumsumexp(tpu(torch.arange(3)), 0)

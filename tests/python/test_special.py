@@ -1,6 +1,7 @@
 """Special-function lowerings (csrc/lowering/special.cpp) against CPU
 PyTorch: xlogy (every overload), special.xlog1py, special.entr, copysign, heaviside,
-isposinf/isneginf, logit (+backward), lgamma, digamma, polygamma, mvlgamma.
+isposinf/isneginf, logit (+backward), lgamma, digamma, polygamma, mvlgamma,
+logaddexp, logaddexp2, hypot, nextafter, sinc, trace, erfinv, i0, special.i1.
 
 Tolerances: float32 rtol=1.3e-6 atol=1e-5 (torch.testing's float32
 defaults); bfloat16 rtol=1.6e-2 atol=1e-5; integer and bool results exactly.
@@ -284,3 +285,165 @@ def test_mvlgamma(p):
     # rtol 1e-5: a sum of p lgamma values (float32 reduction tolerance)
     run_both(lambda x: torch.mvlgamma(x, p), x, rtol=1e-5, atol=1e-5)
     run_both(lambda x: torch.mvlgamma(x, p), torch.zeros(3))  # below (p-1)/2: inf/NaN as on CPU
+
+
+# --- logaddexp / logaddexp2 / hypot / nextafter / sinc / trace -----------------------
+
+def _pairs(dtype):
+    x, y = values(dtype, seed=3), values(dtype, seed=4)
+    # same / opposite infinities, inf against finite, NaN on the other side
+    x[6:12] = torch.tensor([INF, -INF, INF, -INF, 2.0, NAN]).to(dtype)
+    y[6:12] = torch.tensor([INF, -INF, -INF, 3.0, -INF, 1.0]).to(dtype)
+    return x, y
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fn", [torch.logaddexp, torch.logaddexp2, torch.hypot, torch.nextafter],
+                         ids=["logaddexp", "logaddexp2", "hypot", "nextafter"])
+def test_binary_special(fn, dtype):
+    x, y = _pairs(dtype)
+    run_both(fn, x, y)
+    run_both(fn, x.reshape(8, 8), y[:8])      # broadcasting
+    run_both(lambda x: fn(x, torch.tensor(0.5, dtype=dtype)), x)  # CPU 0-d other
+    out = torch.empty(64, dtype=dtype, device=TPU)
+    with no_cpu_fallback():
+        fn(tpu(x), tpu(y), out=out)
+    check(out, fn(x, y))
+    if fn in (torch.hypot, torch.nextafter):  # the ones with an in-place form
+        t = tpu(x.clone())
+        with no_cpu_fallback():
+            getattr(t, fn.__name__ + "_")(tpu(y))
+        check(t, getattr(x.clone(), fn.__name__ + "_")(y))
+
+
+def test_binary_special_extremes():
+    big = torch.tensor([3e38, 1e-45, 0.0, -0.0, 1.0, -1.0, 1e30, 88.0, -100.0])
+    other = torch.tensor([3e38, 1e-45, -0.0, 0.0, -1.0, -1.0, -1e30, 89.0, 100.0])
+    for fn in (torch.logaddexp, torch.logaddexp2, torch.hypot, torch.nextafter):
+        run_both(fn, big, other)
+    # nextafter through zero, subnormals and to infinity; float64 bits
+    a = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3.4028234663852886e38, 1.0], dtype=torch.float64)
+    b = torch.tensor([-1.0, 1.0, -1.0, 1.0, INF, 0.0], dtype=torch.float64)
+    run_both(torch.nextafter, a, b)
+    run_both(torch.nextafter, a.float(), b.float())
+    run_both(torch.hypot, a * 1e300, b)
+
+
+def test_binary_special_mixed_dtypes():
+    x = values(torch.bfloat16)
+    y = values(torch.float32, seed=9)
+    run_both(torch.logaddexp, x, y)   # promotes to float32
+    run_both(torch.hypot, x, y)
+
+
+@pytest.mark.parametrize("dtype", FLOATS + [torch.int64])
+def test_sinc(dtype):
+    if dtype.is_floating_point:
+        x = values(dtype)
+        x[6:10] = torch.tensor([0.5, -1.0, 1e-20, 1000.25]).to(dtype)
+    else:
+        x = torch.arange(-4, 5)
+    run_both(torch.sinc, x)
+    out = torch.empty(x.shape, device=TPU)
+    with no_cpu_fallback():
+        torch.sinc(tpu(x), out=out)
+    check(out, torch.sinc(x).float())
+    if dtype.is_floating_point:
+        t = tpu(x.clone())
+        with no_cpu_fallback():
+            t.sinc_()
+        check(t, x.clone().sinc_())
+
+
+def test_sinc_autograd():
+    x = values()[11:].clone()
+    xc, xt = x.clone().requires_grad_(), tpu(x).requires_grad_()
+    torch.sinc(xc).sum().backward()
+    with no_cpu_fallback():
+        torch.sinc(xt).sum().backward()
+    check(xt.grad, xc.grad, rtol=1e-5, atol=5e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.int32, torch.int8])
+@pytest.mark.parametrize("shape", [(5, 5), (3, 7), (7, 2), (0, 3), (1, 1)])
+def test_trace(dtype, shape):
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(shape, generator=g) * 10).to(dtype)
+    run_both(torch.trace, x)
+
+
+def test_trace_autograd_and_errors():
+    x = torch.randn(4, 6)
+    xc, xt = x.clone().requires_grad_(), tpu(x).requires_grad_()
+    torch.trace(xc).backward()
+    with no_cpu_fallback():
+        torch.trace(xt).backward()
+    check(xt.grad, xc.grad)
+    with pytest.raises(RuntimeError, match="matrix"):
+        torch.trace(tpu(torch.randn(3)))
+    with pytest.raises(NotImplementedError, match="Bool"):  # as CPU
+        torch.trace(tpu(torch.ones(2, 2, dtype=torch.bool)))
+
+
+# --- erfinv (pointwise.cpp) / i0 ----------------------------------------------------
+
+@pytest.mark.parametrize("dtype", FLOATS + [torch.int64])
+def test_erfinv(dtype):
+    if dtype.is_floating_point:
+        x = torch.linspace(-1, 1, 401)
+        x = torch.cat([x, torch.tensor([0.9999999, -0.9999999, 1.5, -2.0, NAN, 1e-30, -0.0])]).to(dtype)
+    else:
+        x = torch.arange(-2, 3)   # +-inf at +-1, NaN beyond
+    run_both(torch.erfinv, x)
+    out = torch.empty(x.shape, device=TPU)
+    with no_cpu_fallback():
+        torch.erfinv(tpu(x), out=out)
+    check(out, torch.erfinv(x).float())
+    if dtype.is_floating_point:
+        t = tpu(x.clone())
+        with no_cpu_fallback():
+            t.erfinv_()
+        check(t, x.clone().erfinv_())
+
+
+def test_erfinv_autograd():
+    x = torch.linspace(-0.95, 0.95, 39)
+    xc, xt = x.clone().requires_grad_(), tpu(x).requires_grad_()
+    torch.erfinv(xc).sum().backward()
+    with no_cpu_fallback():
+        torch.erfinv(xt).sum().backward()
+    check(xt.grad, xc.grad, rtol=1e-5, atol=5e-5)
+
+
+@pytest.mark.parametrize("fn", [torch.i0, torch.special.i1], ids=["i0", "i1"])
+@pytest.mark.parametrize("dtype", FLOATS + [torch.float64, torch.int64])
+def test_bessel_i(fn, dtype):
+    if dtype.is_floating_point:
+        # both sides of the series/asymptotic switch at 30, float's exp
+        # overflow at 88.72, +-inf (NaN on CPU)
+        x = torch.cat([torch.linspace(-95, 95, 381),
+                       torch.tensor([0.0, -0.0, 29.99, 30.0, 30.01, 88.7, 88.8, INF, -INF, NAN])]).to(dtype)
+        if dtype == torch.float64:
+            x = torch.cat([x, torch.tensor([700.0, 709.7, 709.8, 720.0], dtype=dtype)])
+    else:
+        x = torch.arange(-5, 6)
+    # float32: CPU's Cephes Chebyshev series in float is itself ~3e-7 off
+    run_both(fn, x, **({} if dtype != torch.float64 else dict(rtol=1e-12, atol=0)))
+    out = torch.empty(x.shape, device=TPU)
+    with no_cpu_fallback():
+        fn(tpu(x), out=out)
+    check(out, fn(x).float())
+    if dtype.is_floating_point and fn is torch.i0:
+        t = tpu(x.clone())
+        with no_cpu_fallback():
+            t.i0_()
+        check(t, x.clone().i0_())
+
+
+def test_i0_autograd():
+    x = torch.linspace(-40, 40, 81)   # the gradient is special_i1
+    xc, xt = x.clone().requires_grad_(), tpu(x).requires_grad_()
+    torch.i0(xc).sum().backward()
+    with no_cpu_fallback():
+        torch.i0(xt).sum().backward()
+    check(xt.grad, xc.grad)
