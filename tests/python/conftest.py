@@ -40,3 +40,51 @@ def strict_mode():
 def debug_mode():
     with torch_tpu.eager_mode("debug"):
         yield
+
+
+def base_op_name(op_name: str) -> str:
+    """"aten::add_.Tensor" -> "add" (the lowering registry's base name)."""
+    name = op_name.split("::")[-1].split(".")[0]
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+def family_helpers(ours: set, bf16_tol: dict):
+    """The helpers of a lowering family's test file (test_conv, test_misc,
+    test_nn, test_pool), as (no_fallback, tpu, check):
+
+    - ``no_fallback(names=ours)``: a context manager failing if an op whose
+      base name is in ``names`` ran on the CPU fallback inside it;
+    - ``tpu(x)``: x moved to the tpu device if it is a tensor;
+    - ``check(actual, expected, **tol)``: a tpu result (or a tuple/list of
+      them) against CPU's: device, dtype and shape exactly, then values with
+      ``torch.testing.assert_close`` (NaN equal to NaN; bfloat16/float16 with
+      ``bf16_tol`` unless a tolerance is given).
+    """
+    tpu_device = torch.device("tpu")
+
+    @contextlib.contextmanager
+    def no_fallback(names=ours):
+        before = dict(torch_tpu.metrics()["cpu_fallbacks"])
+        yield
+        after = torch_tpu.metrics()["cpu_fallbacks"]
+        new = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        hit = {k: v for k, v in new.items() if base_op_name(k) in names}
+        assert not hit, f"ops fell back to the CPU: {hit}"
+
+    def tpu(x):
+        return x.to(tpu_device) if isinstance(x, torch.Tensor) else x
+
+    def check(actual, expected, **tol):
+        if isinstance(expected, (tuple, list)):
+            for a, e in zip(actual, expected):
+                check(a, e, **tol)
+            return
+        assert actual.device.type == "tpu", actual.device
+        actual = actual.cpu()
+        assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+        assert actual.shape == expected.shape, (actual.shape, expected.shape)
+        if not tol and expected.dtype in (torch.bfloat16, torch.float16):
+            tol = bf16_tol
+        torch.testing.assert_close(actual, expected, equal_nan=True, **tol)
+
+    return no_fallback, tpu, check
