@@ -48,9 +48,9 @@ def base_op_name(op_name: str) -> str:
     return name[:-1] if name.endswith("_") and not name.endswith("__") else name
 
 
-def family_helpers(ours: set, bf16_tol: dict):
+def family_helpers(ours: set, bf16_tol: dict | None = None, exact: bool = False):
     """The helpers of a lowering family's test file (test_conv, test_misc,
-    test_nn, test_pool), as (no_fallback, tpu, check):
+    test_nn, test_pool, test_reduction, test_sort), as (no_fallback, tpu, check):
 
     - ``no_fallback(names=ours)``: a context manager failing if an op whose
       base name is in ``names`` ran on the CPU fallback inside it;
@@ -58,7 +58,8 @@ def family_helpers(ours: set, bf16_tol: dict):
     - ``check(actual, expected, **tol)``: a tpu result (or a tuple/list of
       them) against CPU's: device, dtype and shape exactly, then values with
       ``torch.testing.assert_close`` (NaN equal to NaN; bfloat16/float16 with
-      ``bf16_tol`` unless a tolerance is given).
+      ``bf16_tol`` unless a tolerance is given). With ``exact``, atol and
+      rtol default to 0 each (ops that select or count values).
     """
     tpu_device = torch.device("tpu")
 
@@ -76,6 +77,7 @@ def family_helpers(ours: set, bf16_tol: dict):
 
     def check(actual, expected, **tol):
         if isinstance(expected, (tuple, list)):
+            assert len(actual) == len(expected), (len(actual), len(expected))
             for a, e in zip(actual, expected):
                 check(a, e, **tol)
             return
@@ -83,7 +85,9 @@ def family_helpers(ours: set, bf16_tol: dict):
         actual = actual.cpu()
         assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
         assert actual.shape == expected.shape, (actual.shape, expected.shape)
-        if not tol and expected.dtype in (torch.bfloat16, torch.float16):
+        if exact:
+            tol = {"atol": tol.get("atol", 0), "rtol": tol.get("rtol", 0)}
+        elif not tol and bf16_tol and expected.dtype in (torch.bfloat16, torch.float16):
             tol = bf16_tol
         torch.testing.assert_close(actual, expected, equal_nan=True, **tol)
 

@@ -7,47 +7,19 @@ new ones); indices exactly where PyTorch defines them (inputs without ties
 for kthvalue/median, whose tie index CPU leaves to nth_element). Each test
 checks that none of these ops ran through the CPU fallback.
 """
-import contextlib
 
 import pytest
 import torch
 import torch_tpu
+
+from conftest import family_helpers
 
 TPU = torch.device("tpu")
 NAN = float("nan")
 OURS = set("kthvalue median nanmedian mode cummax cummin searchsorted bucketize sort isin".split())
 
 
-def _base(op_name):
-    name = op_name.split("::")[-1].split(".")[0]
-    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
-
-
-@contextlib.contextmanager
-def no_fallback(names=OURS):
-    before = dict(torch_tpu.metrics()["cpu_fallbacks"])
-    yield
-    after = torch_tpu.metrics()["cpu_fallbacks"]
-    new = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-    ours = {k: v for k, v in new.items() if _base(k) in names}
-    assert not ours, f"ops fell back to the CPU: {ours}"
-
-
-def tpu(x):
-    return x.to(TPU) if isinstance(x, torch.Tensor) else x
-
-
-def check(actual, expected, **tol):
-    if isinstance(expected, (tuple, list)):
-        assert len(actual) == len(expected)
-        for a, e in zip(actual, expected):
-            check(a, e, **tol)
-        return
-    assert actual.device.type == "tpu", actual.device
-    actual = actual.cpu()
-    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    torch.testing.assert_close(actual, expected, equal_nan=True, atol=tol.get("atol", 0), rtol=tol.get("rtol", 0))
+no_fallback, tpu, check = family_helpers(OURS, exact=True)
 
 
 def run_both(fn, *args, **tol):
