@@ -695,6 +695,13 @@ std::vector<Value> LowerBinaryCrossEntropy(LoweringContext& ctx) {
   const std::vector<int64_t> shape = x0.dims();
   Value x = Cast(b, x0, acc);
   Value y = Prepare(b, ctx.tensor("target"), acc, shape);
+  {
+    // CPU's check on the values (NaN fails it too): a value check.
+    Value inside = b.And(b.Compare(x, ConstLike(b, x, 0), CompareDirection::kGE),
+                         b.Compare(x, ConstLike(b, x, 1), CompareDirection::kLE));
+    ctx.check(ReduceOr(b, b.Not(inside), ReductionDims({}, x.rank()), false),
+              "all elements of input should be between 0 and 1");
+  }
   auto r = [&](const Value& v) { return RoundTo(b, v, t); };
   Value floor = ConstLike(b, x, -100);
   Value log1m = MaxPropagateNaN(b, r(b.Unary("stablehlo.log_plus_one", b.Neg(x))), floor);

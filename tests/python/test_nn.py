@@ -498,3 +498,16 @@ def test_smooth_l1_huber_backward_ops_out_and_errors(name):
     bad = -1.0 if name == "smooth_l1_loss" else 0.0
     with pytest.raises(RuntimeError, match="beta" if name == "smooth_l1_loss" else "delta"):
         getattr(torch._C._nn, name)(tpu(x), tpu(y), 1, bad)
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, float("nan")])
+def test_binary_cross_entropy_input_outside_unit_interval_raises_like_cpu(bad):
+    x, y = torch.tensor([bad, 0.5]), torch.tensor([1.0, 0.0])
+    with pytest.raises(RuntimeError, match="between 0 and 1"):
+        torch.nn.functional.binary_cross_entropy(x, y)
+    # a value check on the device: raised at the next sync point
+    with pytest.raises(RuntimeError, match="between 0 and 1"):
+        torch.nn.functional.binary_cross_entropy(x.to("tpu"), y.to("tpu")).cpu()
+    ok = torch.tensor([0.25, 0.5])
+    torch.testing.assert_close(torch.nn.functional.binary_cross_entropy(ok.to("tpu"), y.to("tpu")).cpu(),
+                               torch.nn.functional.binary_cross_entropy(ok, y))
