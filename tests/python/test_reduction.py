@@ -5,12 +5,13 @@ compares: exactly for integer and bool results, assert_close defaults for
 float32, an explicit tolerance for bfloat16. Each test also checks that no
 reduction op ran through the CPU fallback.
 """
-import contextlib
 import math
 
 import pytest
 import torch
 import torch_tpu
+
+from conftest import family_helpers
 
 TPU = torch.device("tpu")
 BF16_TOL = dict(atol=1.6e-2, rtol=1.6e-2)
@@ -22,38 +23,7 @@ cumsum cumprod logsumexp linalg_vector_norm norm _logcumsumexp
 
 
 
-def _base(op_name):
-    name = op_name.split("::")[-1].split(".")[0]
-    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
-
-
-@contextlib.contextmanager
-def no_fallback(names=OURS):
-    before = dict(torch_tpu.metrics()["cpu_fallbacks"])
-    yield
-    after = torch_tpu.metrics()["cpu_fallbacks"]
-    new = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-    ours = {k: v for k, v in new.items() if _base(k) in names}
-    assert not ours, f"ops fell back to the CPU: {ours}"
-
-
-def tpu(x):
-    return x.to(TPU) if isinstance(x, torch.Tensor) else x
-
-
-def check(actual, expected, **tol):
-    if isinstance(expected, (tuple, list)):
-        assert len(actual) == len(expected)
-        for a, e in zip(actual, expected):
-            check(a, e, **tol)
-        return
-    assert actual.device.type == "tpu", actual.device
-    actual = actual.cpu()
-    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    if not tol and expected.dtype in (torch.bfloat16, torch.float16):
-        tol = BF16_TOL
-    torch.testing.assert_close(actual, expected, equal_nan=True, **tol)
+no_fallback, tpu, check = family_helpers(OURS, BF16_TOL)
 
 
 def run_both(fn, *args, **tol):
