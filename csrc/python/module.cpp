@@ -31,6 +31,8 @@ py::dict Metrics() {
   d["executions"] = m.executions.load();
   d["host_to_device_bytes"] = m.host_to_device_bytes.load();
   d["device_to_host_bytes"] = m.device_to_host_bytes.load();
+  d["fused_regions"] = m.fused_regions.load();
+  d["fused_region_outputs"] = m.fused_region_outputs.load();
   py::dict fallbacks;
   {
     std::lock_guard<std::mutex> lock(m.fallback_mutex);

@@ -20,6 +20,8 @@
 // its calls run one by one through their eager executables instead.
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <c10/core/impl/PyInterpreterHooks.h>
+#include <c10/core/impl/PyObjectSlot.h>
 #include <c10/util/hash.h>
 #include <c10/util/intrusive_ptr.h>
 
@@ -198,12 +200,16 @@ class FusedExecutor {
 
   // The new storages still referenced from outside the region: only those
   // are outputs (the rest are temporaries XLA can fuse away). A storage is
-  // referenced from outside if a tensor over it is held by more than the
-  // region's recorded arguments.
+  // referenced from outside if it, or a tensor over it, has more references
+  // than the region's recorded arguments (and our own lock) account for.
   std::vector<c10::intrusive_ptr<c10::StorageImpl>> AliveCreatedStorages() {
     std::unordered_map<c10::TensorImpl*, size_t> recorded;  // TensorImpl -> references held by the region
+    std::unordered_map<c10::TensorImpl*, c10::TensorImpl*> view_bases;  // recorded view -> its base
     auto note = [&](const c10::IValue& v) {
-      if (v.isTensor() && v.toTensor().defined()) recorded[v.toTensor().unsafeGetTensorImpl()]++;
+      if (!v.isTensor() || !v.toTensor().defined()) return;
+      const at::Tensor& t = v.toTensor();
+      recorded[t.unsafeGetTensorImpl()]++;
+      if (t.is_view()) view_bases.emplace(t.unsafeGetTensorImpl(), t._base().unsafeGetTensorImpl());
     };
     for (const auto& rc : calls_)
       for (const auto& v : rc.args) {
@@ -211,12 +217,15 @@ class FusedExecutor {
         if (v.isList())
           for (const auto& item : v.toListRef()) note(item);
       }
+    // A view holds its base (autograd's view metadata, kept under no_grad
+    // too): a base reached only through the region's views is internal.
+    for (const auto& [view, base] : view_bases) recorded[base]++;
     std::unordered_map<c10::StorageImpl*, std::pair<size_t, bool>> held;  // impls in the region, held outside
     for (const auto& [impl, refs] : recorded) {
       if (!impl->has_storage()) continue;
       auto& h = held[impl->storage().unsafeGetStorageImpl()];
       h.first++;
-      h.second |= c10::raw::intrusive_ptr::use_count(impl) > refs;
+      h.second |= HeldOutside(*impl, c10::raw::intrusive_ptr::use_count(impl), refs);
     }
     std::vector<c10::intrusive_ptr<c10::StorageImpl>> alive(created_.size());
     for (size_t i = 0; i < created_.size(); ++i) {
@@ -225,10 +234,29 @@ class FusedExecutor {
       auto it = held.find(s.get());
       size_t internal = it == held.end() ? 0 : it->second.first;
       bool outside = (it != held.end() && it->second.second) ||
-                     s.use_count() > 1 + internal;  // our lock + the region's tensors
+                     HeldOutside(*s, s.use_count(), 1 + internal);  // our lock + the region's tensors
       if (outside) alive[i] = std::move(s);
     }
     return alive;
+  }
+
+  // Whether `impl` (a TensorImpl or StorageImpl with `strong` references)
+  // has references beyond the `internal` ones the region accounts for.
+  // Since PyTorch's PyObject preservation (c10/util/intrusive_ptr.h,
+  // kHasPyObject), an object's Python wrapper owns one strong reference, and
+  // while C++ holds any other reference, C++ keeps one reference to the
+  // wrapper: Python's own references are then Py_REFCNT - 1, read through
+  // the PyInterpreter (no Python headers in the runtime).
+  template <class Impl>
+  static bool HeldOutside(const Impl& impl, size_t strong, size_t internal) {
+    PyObject* wrapper = impl.pyobj_slot()->load_pyobj();
+    if (!wrapper) return strong > internal;
+    const size_t cpp = strong - 1;  // without the wrapper's reference
+    if (cpp > internal) return true;
+    const c10::impl::PyInterpreter* interpreter = c10::impl::getGlobalPyInterpreter();
+    if (!interpreter) return true;  // cannot tell: keep it
+    const size_t python = (*interpreter)->refcnt(wrapper);
+    return python > (cpp > 0 ? 1u : 0u);
   }
 
   std::unique_ptr<CompiledRegion> Build(const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& alive) {
@@ -287,6 +315,8 @@ class FusedExecutor {
       profile.AwaitIfActive(done.get());
     }
     rt.metrics().executions++;
+    rt.metrics().fused_regions++;
+    rt.metrics().fused_region_outputs += static_cast<int64_t>(region.outputs.size());
     for (size_t i = 0; i < region.outputs.size(); ++i) {
       const RegionOutput& o = region.outputs[i];
       StorageBuffer sb{std::shared_ptr<pjrt::Buffer>(std::move(outs[i])), o.element, o.numel, name};

@@ -28,6 +28,8 @@ struct Metrics {
   std::atomic<int64_t> executions{0};
   std::atomic<int64_t> host_to_device_bytes{0};
   std::atomic<int64_t> device_to_host_bytes{0};
+  std::atomic<int64_t> fused_regions{0};         // fused regions run as one program
+  std::atomic<int64_t> fused_region_outputs{0};  // their outputs (storages still referenced at the flush)
   std::mutex fallback_mutex;
   std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count
 };
