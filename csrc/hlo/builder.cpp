@@ -208,12 +208,29 @@ void Builder::Return(std::span<const Value> results) {
   }
 }
 
+void Builder::AliasParameter(size_t param_index, size_t result_index) {
+  if (param_index >= params_.size())
+    throw BuildError("AliasParameter: argument " + std::to_string(param_index) + " does not exist");
+  for (const auto& [p, r] : aliases_)
+    if (p == param_index || r == result_index)
+      throw BuildError("AliasParameter: argument " + std::to_string(param_index) + " or result " +
+                       std::to_string(result_index) + " is already aliased");
+  aliases_.emplace_back(param_index, result_index);
+}
+
 std::string Builder::Module() const {
   if (!returned_) throw BuildError("Module: Return() was not called");
   std::string s = "module @torch_tpu {\n  func.func public @main(";
   for (size_t i = 0; i < params_.size(); ++i) {
     if (i) s += ", ";
     s += "%arg" + std::to_string(i) + ": " + params_[i].ToString();
+    for (const auto& [p, r] : aliases_) {
+      if (p != i) continue;
+      if (r >= results_.size() || !(results_[r] == params_[i]))
+        throw BuildError("AliasParameter: result " + std::to_string(r) + " does not have argument " +
+                         std::to_string(p) + "'s type " + params_[i].ToString());
+      s += " {tf.aliasing_output = " + std::to_string(r) + " : i32}";
+    }
   }
   s += ") -> (" + Types(results_) + ") {\n";
   s += body_;

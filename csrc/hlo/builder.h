@@ -93,6 +93,15 @@ class Builder {
 
   // Adds an argument to @main, in call order (may be called between ops).
   Value Parameter(const TensorType& type);
+  // Number of @main's arguments so far.
+  size_t num_parameters() const { return params_.size(); }
+  // Lets XLA write result `result_index` into the buffer of argument
+  // `param_index` when the caller donates it at execution (a may-alias
+  // input_output_alias: `tf.aliasing_output`, as JAX emits; an argument that
+  // is not donated at run time gets a fresh result buffer). The two must
+  // have the same type; checked by Module(). Throws BuildError on a bad
+  // index or a second alias of the same argument or result.
+  void AliasParameter(size_t param_index, size_t result_index);
   // Sets @main's results; must be called exactly once before Module().
   void Return(std::span<const Value> results);
   // The complete module text.
@@ -225,6 +234,7 @@ class Builder {
               std::string_view attributes = {});
 
   std::vector<TensorType> params_;
+  std::vector<std::pair<size_t, size_t>> aliases_;  // (argument, result)
   std::vector<TensorType> results_;
   std::vector<std::string> result_names_;
   std::string body_;

@@ -33,6 +33,7 @@ py::dict Metrics() {
   d["device_to_host_bytes"] = m.device_to_host_bytes.load();
   d["fused_regions"] = m.fused_regions.load();
   d["fused_region_outputs"] = m.fused_region_outputs.load();
+  d["donated_buffers"] = m.donated_buffers.load();
   py::dict fallbacks;
   {
     std::lock_guard<std::mutex> lock(m.fallback_mutex);

@@ -367,6 +367,9 @@ ProgramBuilder::StorageState& ProgramBuilder::StateFor(const at::Tensor& t, cons
 hlo::Value ProgramBuilder::ReadFlat(StorageState& st) {
   if (st.current) return *st.current;
   if (!st.param) {
+    st.input_index = static_cast<int32_t>(inputs.size());
+    if (b.num_parameters() != inputs.size())
+      throw std::logic_error("ProgramBuilder: parameters and inputs out of step");
     st.param = b.Parameter(hlo::TensorType{st.element, {st.numel}});
     InputSlot slot = st.first_use;
     slot.kind = InputSlot::Kind::kStorage;
@@ -397,6 +400,12 @@ void ProgramBuilder::WriteTensor(const at::Tensor& t, const InputSlot& use, hlo:
     hlo::Value flat = lowering::ReinterpretFlat(b, ReadFlat(st), element);
     st.current = lowering::ReinterpretFlat(b, lowering::WriteView(b, flat, LayoutOf(t), value), st.element);
   }
+}
+
+int32_t ProgramBuilder::AliasWrittenStorage(const StorageState& st, size_t result_index) {
+  if (!st.param || !st.current || st.input_index < 0 || !(st.param->type == st.current->type)) return -1;
+  b.AliasParameter(static_cast<size_t>(st.input_index), result_index);
+  return st.input_index;
 }
 
 void ProgramBuilder::Define(const DeviceStorage* storage, hlo::ElementType element, int64_t numel,
@@ -651,6 +660,8 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   }
   for (auto& st : pb.storages) {
     if (!st.current) continue;
+    int32_t donor = pb.AliasWrittenStorage(st, program_results.size());
+    if (donor >= 0) compiled->donor_inputs.push_back(donor);
     program_results.push_back(*st.current);
     OutputSlot slot;
     slot.kind = OutputSlot::Kind::kStorageWrite;
@@ -769,7 +780,8 @@ const at::Tensor& TensorOf(const ArgResolver& arg_of, int32_t call, int16_t arg,
   return v.toListRef()[static_cast<size_t>(item)].toTensor();
 }
 
-LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolver& arg_of, int default_device) {
+LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolver& arg_of, int default_device,
+                          const std::vector<int64_t>& donors) {
   auto& rt = Runtime::Get();
   LaunchInputs li;
   li.buffers.resize(inputs.size());
@@ -780,6 +792,11 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
     const at::Tensor& t = TensorOf(arg_of, s.call, s.arg, s.item);
     if (device_index < 0) device_index = t.device().index();
     li.buffers[i] = StorageOf(t).Materialize(s.element).buffer.get();
+  }
+  for (int64_t d : donors) {
+    const InputSlot& s = inputs[static_cast<size_t>(d)];
+    const StorageBuffer& sb = StorageOf(TensorOf(arg_of, s.call, s.arg, s.item)).Materialize(s.element);
+    if (sb.buffer.use_count() == 1) li.donated.push_back(d);
   }
   li.device_index = device_index < 0 ? default_device : device_index;
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -827,20 +844,21 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
       default_device = stack[i].toDevice().has_index()
                            ? stack[i].toDevice().index()
                            : c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->getDevice().index();
-  LaunchInputs li = GatherInputs(op.inputs, arg_of, default_device);
+  LaunchInputs li = GatherInputs(op.inputs, arg_of, default_device, op.donor_inputs);
 
   std::unique_ptr<pjrt::Event> done;
   std::vector<std::unique_ptr<pjrt::Buffer>> outs;
   {
     ProfileScope profile("tpu::execute", op.name);  // torch.profiler event (waits while profiling)
     try {
-      outs = op.executable->Execute(li.buffers, rt.device(li.device_index), {}, &done);
+      outs = op.executable->Execute(li.buffers, rt.device(li.device_index), li.donated, &done);
     } catch (const pjrt::Error& e) {
       RethrowDeviceError(e, op.name, li.device_index);  // RESOURCE_EXHAUSTED -> torch.OutOfMemoryError
     }
     profile.AwaitIfActive(done.get());
   }
   rt.metrics().executions++;
+  rt.metrics().donated_buffers += static_cast<int64_t>(li.donated.size());
 
   std::vector<at::Tensor> new_tensors;
   size_t check = 0;

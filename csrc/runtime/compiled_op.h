@@ -91,6 +91,7 @@ struct CompiledOp {
   std::vector<OutputSlot> outputs;
   std::vector<ReturnSlot> returns;
   std::vector<std::string> check_messages;  // per kIndexCheck output, in order
+  std::vector<int64_t> donor_inputs;         // inputs aliased to their storage's new value
   // out= arguments resized (to these sizes) before each launch.
   std::vector<std::pair<int16_t, std::vector<int64_t>>> resize_outputs;
   std::string module_text;  // kept for TORCH_TPU_DUMP_HLO and errors
@@ -114,6 +115,7 @@ class ProgramBuilder {
     int64_t numel;
     std::optional<hlo::Value> param;    // the storage as read from its buffer
     std::optional<hlo::Value> current;  // its value after this program's writes
+    int32_t input_index = -1;           // the parameter (= input) holding `param`
   };
   hlo::Builder b;
   std::vector<InputSlot> inputs;
@@ -133,6 +135,11 @@ class ProgramBuilder {
                                                  const lowering::LoweringEntry& entry, const CallSpec& spec);
   // From now on `storage` holds `flat` (a new tensor of a fused region).
   void Define(const DeviceStorage* storage, hlo::ElementType element, int64_t numel, hlo::Value flat);
+  // For a storage the program both reads and writes: lets result
+  // `result_index` (its new value) reuse the input buffer when the launch
+  // donates it (Builder::AliasParameter). Returns the input index, or -1
+  // where the storage is not read (or its value changes type).
+  int32_t AliasWrittenStorage(const StorageState& st, size_t result_index);
 
  private:
   StorageState& StateFor(const at::Tensor& t, const InputSlot& use);
@@ -152,10 +159,17 @@ std::unique_ptr<pjrt::Executable> CompileModule(const std::string& name, const s
 struct LaunchInputs {
   std::vector<pjrt::Buffer*> buffers;
   std::vector<std::shared_ptr<pjrt::Buffer>> temps;
+  std::vector<int64_t> donated;  // inputs the execution may consume
   int device_index = 0;
 };
 using ArgResolver = std::function<const c10::IValue&(int32_t call, int16_t arg)>;
-LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolver& arg_of, int default_device);
+// `donors`: the executable's inputs aliased to outputs (donor_inputs); each
+// is donated when its storage's buffer has no other holder (not shared with
+// another storage, a pending check or a transfer), so the write reuses the
+// buffer instead of allocating a new one. The caller must then give the
+// storage the aliased output.
+LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolver& arg_of, int default_device,
+                          const std::vector<int64_t>& donors = {});
 const at::Tensor& TensorOf(const ArgResolver& arg_of, int32_t call, int16_t arg, int16_t item);
 
 // The base lowering name of an ATen op: "aten::add_" and "aten::add.out"

@@ -65,6 +65,7 @@ struct CompiledRegion {
   std::vector<InputSlot> inputs;
   std::vector<RegionOutput> outputs;
   std::vector<std::string> check_messages;  // outputs after `outputs`: index checks
+  std::vector<int64_t> donor_inputs;         // inputs aliased to their storage's new value
 };
 
 struct RegionKeyHash {
@@ -282,7 +283,11 @@ class FusedExecutor {
       for (size_t i = 0; i < created_.size(); ++i)
         if (created_[i].device_storage == st.storage) out.created = static_cast<int32_t>(i);
       if (out.created >= 0 && !alive[static_cast<size_t>(out.created)]) continue;  // a dead temporary
-      if (out.created < 0) out.use = st.first_use;
+      if (out.created < 0) {
+        out.use = st.first_use;
+        int32_t donor = pb.AliasWrittenStorage(st, results.size());
+        if (donor >= 0) region->donor_inputs.push_back(donor);
+      }
       results.push_back(*st.current);
       region->outputs.push_back(out);
     }
@@ -301,20 +306,22 @@ class FusedExecutor {
     ArgResolver arg_of = [&](int32_t call, int16_t arg) -> const c10::IValue& {
       return calls_[static_cast<size_t>(call)].args[static_cast<size_t>(arg)];
     };
-    LaunchInputs li = GatherInputs(region.inputs, arg_of, CurrentDeviceIndex(calls_.front().args));
+    LaunchInputs li = GatherInputs(region.inputs, arg_of, CurrentDeviceIndex(calls_.front().args),
+                                   region.donor_inputs);
     std::unique_ptr<pjrt::Event> done;
     const std::string name = "fused region of " + std::to_string(calls_.size()) + " ops";
     std::vector<std::unique_ptr<pjrt::Buffer>> outs;
     {
       ProfileScope profile("tpu::execute", name);  // torch.profiler event (waits while profiling)
       try {
-        outs = region.executable->Execute(li.buffers, rt.device(li.device_index), {}, &done);
+        outs = region.executable->Execute(li.buffers, rt.device(li.device_index), li.donated, &done);
       } catch (const pjrt::Error& e) {
         RethrowDeviceError(e, name, li.device_index);  // RESOURCE_EXHAUSTED -> torch.OutOfMemoryError
       }
       profile.AwaitIfActive(done.get());
     }
     rt.metrics().executions++;
+    rt.metrics().donated_buffers += static_cast<int64_t>(li.donated.size());
     rt.metrics().fused_regions++;
     rt.metrics().fused_region_outputs += static_cast<int64_t>(region.outputs.size());
     for (size_t i = 0; i < region.outputs.size(); ++i) {

@@ -30,6 +30,7 @@ struct Metrics {
   std::atomic<int64_t> device_to_host_bytes{0};
   std::atomic<int64_t> fused_regions{0};         // fused regions run as one program
   std::atomic<int64_t> fused_region_outputs{0};  // their outputs (storages still referenced at the flush)
+  std::atomic<int64_t> donated_buffers{0};       // input buffers reused for an in-place result
   std::mutex fallback_mutex;
   std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count
 };

@@ -154,3 +154,72 @@ def test_repeated_op_hits_cache_and_scalars_do_not_recompile():
     assert after["cache_hits"] - before["cache_hits"] >= 6
     ref = torch.randn(32)
     assert ref.shape == x.shape
+
+
+# Buffer donation: an in-place write reuses its input buffer (the executable
+# aliases the storage's parameter to its new value) when no one else holds
+# that buffer; values always equal CPU's.
+
+def _donated(fn):
+    torch.tpu.synchronize()
+    before = torch_tpu.metrics()["donated_buffers"]
+    fn()
+    torch.tpu.synchronize()
+    return torch_tpu.metrics()["donated_buffers"] - before
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "debug"])
+def test_inplace_write_donates_its_buffer(mode):
+    x_cpu = torch.randn(1000)
+    y_cpu = torch.randn(1000)
+    with torch_tpu.eager_mode(mode):
+        x, y = x_cpu.to("tpu"), y_cpu.to("tpu")
+
+        def update():
+            x.mul_(2).add_(y, alpha=0.5)
+        if mode == "debug":  # keeps every input buffer to check the op's NaN/Inf against its inputs
+            assert _donated(update) == 0
+        else:
+            assert _donated(update) >= 1
+        torch.testing.assert_close(x.cpu(), x_cpu * 2 + y_cpu * 0.5)
+        torch.testing.assert_close(y.cpu(), y_cpu)  # read, not donated
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_donation_keeps_values_other_tensors_still_need(mode):
+    x_cpu = torch.randn(64, 64)
+    with torch_tpu.eager_mode(mode):
+        x = x_cpu.to("tpu")
+        before = x * 3          # reads x's buffer (possibly still running)
+        view = x[8:16]
+        clone = x.clone()
+        x.add_(1)               # replaces x's buffer
+        view.mul_(0)            # a write through a view updates x's storage
+        clone.sub_(2)
+        expected = x_cpu + 1
+        expected[8:16] = 0
+        torch.testing.assert_close(before.cpu(), x_cpu * 3)
+        torch.testing.assert_close(x.cpu(), expected)
+        torch.testing.assert_close(view.cpu(), torch.zeros(8, 64))
+        torch.testing.assert_close(clone.cpu(), x_cpu - 2)
+
+
+def test_optimizer_step_donates_parameters_and_states():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 8)
+    ref = torch.nn.Linear(32, 8)
+    ref.load_state_dict(model.state_dict())
+    model = model.to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    x = torch.randn(16, 32)
+    for m, o, inp in ((model, opt, x.to("tpu")), (ref, ref_opt, x)):
+        for _ in range(3):
+            o.zero_grad()
+            m(inp).square().mean().backward()
+            if m is model:
+                assert _donated(o.step) >= 4  # 2 parameters and their exp_avg, exp_avg_sq at least
+            else:
+                o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-5, atol=1e-6)
