@@ -31,6 +31,28 @@ TEST(Builder, AddModule) {
   EXPECT_TRUE(Contains(m, "\"func.return\"(%0)"));
 }
 
+TEST(Builder, AliasParameterMarksTheArgument) {
+  Builder b;
+  Value x = b.Parameter({ElementType::kF32, {4}});
+  Value s = b.Parameter({ElementType::kF32, {}});
+  EXPECT_EQ(b.num_parameters(), 2u);
+  Value y = b.Mul(x, b.BroadcastInDim(s, std::vector<int64_t>{4}, {}));
+  b.AliasParameter(0, 0);
+  EXPECT_THROW(b.AliasParameter(0, 1), BuildError);  // argument already aliased
+  EXPECT_THROW(b.AliasParameter(7, 1), BuildError);  // no such argument
+  b.Return(std::span(&y, 1));
+  EXPECT_TRUE(Contains(b.Module(), "%arg0: tensor<4xf32> {tf.aliasing_output = 0 : i32}, %arg1: tensor<f32>)"));
+}
+
+TEST(Builder, AliasParameterRejectsAResultOfAnotherType) {
+  Builder b;
+  Value x = b.Parameter({ElementType::kF32, {4}});
+  Value y = b.Convert(x, ElementType::kF16);
+  b.AliasParameter(0, 0);
+  b.Return(std::span(&y, 1));
+  EXPECT_THROW(b.Module(), BuildError);
+}
+
 TEST(Builder, ConstantsUseExactBitPatterns) {
   Builder b;
   Value one = b.ScalarConstant(ElementType::kF32, 1.0);
