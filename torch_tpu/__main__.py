@@ -56,6 +56,9 @@ def _cache_info(args) -> int:
     print(f"misses        {stats['misses']}")
     print(f"hit rate      {rate}")
     print(f"writes        {stats['writes']}, errors {stats['errors']}, evictions {stats['evictions']}")
+    frames = _cache.compile_entries()
+    print(f"compiled frames {len(frames)}, {sum(s for _, s in frames)} bytes "
+          f"(torch.compile cache, TORCH_TPU_COMPILE_CACHE=1)")
     return 0
 
 

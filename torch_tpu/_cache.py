@@ -36,6 +36,27 @@ def entries() -> list[tuple[str, int]]:
     return out
 
 
+def compile_entries() -> list[tuple[str, int]]:
+    """(path relative to the cache directory, size in bytes) of every saved
+    torch.compile frame (torch_tpu._precompile, under ``dynamo/``)."""
+    d = directory()
+    root = os.path.join(d, "dynamo") if d else ""
+    if not root or not os.path.isdir(root):
+        return []
+    out = []
+    for version in sorted(os.listdir(root)):
+        sub = os.path.join(root, version)
+        if not os.path.isdir(sub):
+            continue
+        for name in sorted(os.listdir(sub)):
+            if name.endswith(".entry"):
+                try:
+                    out.append((os.path.join("dynamo", version, name), os.path.getsize(os.path.join(sub, name))))
+                except OSError:
+                    pass
+    return out
+
+
 def _process_counts() -> dict:
     """This process's counters; zeros where the runtime cannot start (no plugin)."""
     try:
@@ -102,11 +123,12 @@ def _progress(items: list, desc: str, enabled: bool):
 
 
 def clear(progress: bool = False) -> int:
-    """Removes every entry and the counters; returns the number of entries
-    removed. ``progress``: a progress bar on a terminal."""
+    """Removes every entry (executables and saved torch.compile frames) and
+    the counters; returns the number of entries removed. ``progress``: a
+    progress bar on a terminal."""
     d = directory()
     removed = 0
-    for name, _ in _progress(entries(), "removing cache entries", progress):
+    for name, _ in _progress(entries() + compile_entries(), "removing cache entries", progress):
         try:
             os.remove(os.path.join(d, name))
             removed += 1
@@ -114,6 +136,17 @@ def clear(progress: bool = False) -> int:
             pass
     if d and os.path.exists(os.path.join(d, _STATS)):
         os.remove(os.path.join(d, _STATS))
+    root = os.path.join(d, "dynamo") if d else ""
+    if root and os.path.isdir(root):
+        for version in os.listdir(root):  # now-empty version directories
+            try:
+                os.rmdir(os.path.join(root, version))
+            except OSError:
+                pass
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass
     return removed
 
 

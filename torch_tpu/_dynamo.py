@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["tpu_backend", "register", "stats"]
+__all__ = ["tpu_backend", "register", "stats", "enable_compile_cache"]
 
 _warned: set[str] = set()
 # Graphs compiled as one program, and graphs that run op by op instead.
@@ -107,6 +107,92 @@ def _whole_contiguous(val: Any) -> bool:
         return False
 
 
+class _Ref:
+    """A graph value in a recipe (pickles without the extension)."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, id: int):
+        self.id = id
+
+    def __reduce__(self):
+        return (_Ref, (self.id,))
+
+
+class _Recording:
+    """A GraphProgram under construction and the list of calls that built
+    it (add_input, add_call, set_outputs), replayable in another process."""
+
+    def __init__(self, program):
+        self.program = program
+        self.recipe: list = []
+
+    @staticmethod
+    def _to_refs(value):
+        from . import _C
+
+        if isinstance(value, _C._GraphValue):
+            return _Ref(value.id)
+        if isinstance(value, list):
+            return [_Recording._to_refs(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(_Recording._to_refs(v) for v in value)
+        if isinstance(value, dict):
+            return {k: _Recording._to_refs(v) for k, v in value.items()}
+        return value
+
+    def add_input(self, dtype, sizes):
+        v = self.program.add_input(dtype, sizes)
+        self.recipe.append(("input", dtype, list(sizes), v.id))
+        return v
+
+    def add_call(self, op, args, kwargs, specs):
+        outs = self.program.add_call(op, args, kwargs, specs)
+        self.recipe.append(("call", op, self._to_refs(args), self._to_refs(kwargs), specs,
+                            [None if o is None else o.id for o in outs]))
+        return outs
+
+    def set_outputs(self, values):
+        self.program.set_outputs(values)
+        self.recipe.append(("outputs", [v.id for v in values]))
+
+    @staticmethod
+    def replay(name: str, recipe: list):
+        from . import _C
+
+        program = _C.GraphProgram(name)
+        values: dict[int, Any] = {}
+
+        def resolve(value):
+            if isinstance(value, _Ref):
+                return values[value.id]
+            if isinstance(value, list):
+                return [resolve(v) for v in value]
+            if isinstance(value, tuple):
+                return tuple(resolve(v) for v in value)
+            if isinstance(value, dict):
+                return {k: resolve(v) for k, v in value.items()}
+            return value
+
+        for step in recipe:
+            if step[0] == "input":
+                _, dtype, sizes, vid = step
+                values[vid] = program.add_input(dtype, sizes)
+            elif step[0] == "call":
+                _, op, args, kwargs, specs, out_ids = step
+                outs = program.add_call(op, resolve(args), resolve(kwargs), specs)
+                if len(outs) != len(out_ids):
+                    raise RuntimeError(f"replaying {op}: {len(outs)} outputs, recorded {len(out_ids)}")
+                for o, vid in zip(outs, out_ids):
+                    if vid is not None:
+                        values[vid] = o
+            elif step[0] == "outputs":
+                program.set_outputs([values[i] for i in step[1]])
+            else:
+                raise RuntimeError(f"unknown recipe step {step[0]!r}")
+        return program
+
+
 class _Program:
     """A compiled FX graph: the program, how each graph input is fed, and how
     the outputs are assembled."""
@@ -115,7 +201,7 @@ class _Program:
         from . import _C
 
         self.name = name
-        program = _C.GraphProgram(name)
+        program = _Recording(_C.GraphProgram(name))
         env: dict[torch.fx.Node, Any] = {}
         self.input_devices: list[bool] = []   # per placeholder: needs an upload to tpu
         self.constants: list[torch.Tensor] = []  # get_attr tensors, fed after the placeholders
@@ -217,8 +303,22 @@ class _Program:
             else:
                 raise GraphLoweringError(f"node {node.format_node()}: {node.op} is not supported")
         self.output_plan = output_plan
-        self.program = program
+        self.recipe = program.recipe  # what built the program, for the compile cache
+        self.program = program.program
         self.device = torch.device("tpu", torch.tpu.current_device())
+
+    @classmethod
+    def from_recipe(cls, name: str, recipe: list, input_devices: list, output_plan: list) -> "_Program":
+        """The program rebuilt from its recorded calls, without the FX graph."""
+        self = cls.__new__(cls)
+        self.name = name
+        self.program = _Recording.replay(name, recipe)
+        self.recipe = recipe
+        self.input_devices = list(input_devices)
+        self.constants = []
+        self.output_plan = list(output_plan)
+        self.device = torch.device("tpu", torch.tpu.current_device())
+        return self
 
     def compile(self) -> None:
         self.program.compile()
@@ -291,7 +391,10 @@ def _bw_compiler(gm, example_inputs):
 
 
 def _inference_compiler(gm, example_inputs):
-    return _compile_graph(gm, example_inputs, "inference")
+    compiled = _compile_graph(gm, example_inputs, "inference")
+    if _capture:
+        _capture[-1].append(_savable(compiled, example_inputs))
+    return compiled
 
 
 @functools.cache
@@ -359,6 +462,110 @@ class _Specializing:
         return fn(*args)
 
 
+# --- the compile cache (torch_tpu._precompile) ---------------------------------
+
+# One list per backend call being compiled: what its AOT graphs left to save.
+_capture: list[list] = []
+_PRECOMPILE_FORMAT = 1
+
+
+def _savable(compiled: Callable, example_inputs) -> tuple | str:
+    """(recipe, input_devices, output_plan) of an inference program whose
+    AOTAutograd wrapper passes the Dynamo graph's arguments through and
+    returns its outputs unchanged; else why not."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    program = getattr(compiled, "program", None)
+    if program is None:
+        return "runs op by op"
+    if program.constants:
+        return "has constants"
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None) if context is not None else None
+    if meta is None:
+        return "no AOTAutograd metadata"
+    if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
+        return "mutates an input"
+    if any(o.output_type != OutputType.non_alias for o in meta.output_info):
+        return "an output aliases"
+    if meta.num_intermediate_bases or meta.tokens or meta.is_rng_op_functionalized:
+        return "AOTAutograd wraps the graph"
+    from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
+
+    if any(isinstance(m, SubclassCreationMeta) for m in list(meta.subclass_inp_meta or ()) +
+           list(meta.subclass_fw_graph_out_meta or ())):
+        return "tensor subclass inputs or outputs"
+    return (program.recipe, program.input_devices, program.output_plan, [
+        (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x) for x in example_inputs])
+
+
+def _record_artifact(backend_id: str, example_inputs, captured: list) -> None:
+    """Saves the backend's program for the compile cache when its whole
+    output is one pass-through inference program."""
+    import pickle
+
+    if len(captured) != 1 or isinstance(captured[0], str):
+        return
+    recipe, input_devices, output_plan, signature = captured[0]
+    if signature != [(x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x)
+                     for x in example_inputs]:
+        return  # AOTAutograd changed the arguments (deduplicated, synthetic bases)
+    if not all(type(x) in (torch.Tensor, torch.nn.Parameter) for x in example_inputs):
+        return
+    try:
+        content = pickle.dumps({"format": _PRECOMPILE_FORMAT, "recipe": recipe, "input_devices": input_devices,
+                                "output_plan": output_plan})
+    except Exception:
+        return
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    PrecompileContext.record_artifact(TpuProgramArtifact(backend_id, content))
+
+
+class _LoadedProgram:
+    """A saved backend program: rebuilt from its recipe at the first call
+    (the executable then comes from the executable cache)."""
+
+    def __init__(self, name: str, content: dict):
+        self.name = name
+        self.content = content
+        self.program: _Program | None = None
+
+    def __call__(self, *args):
+        if self.program is None:
+            c = self.content
+            self.program = _Program.from_recipe(self.name, c["recipe"], c["input_devices"], c["output_plan"])
+            self.program.compile()
+            stats["programs"] += 1
+        return self.program(list(args))
+
+
+def _artifact_class():
+    from torch._dynamo.precompile_context import BackendCacheArtifact
+
+    class TpuProgramArtifact(BackendCacheArtifact):
+        """A tpu backend's compiled graph in Dynamo's compile package."""
+
+        def after_deserialization(self):
+            import pickle
+
+            content = pickle.loads(self.content)
+            if not isinstance(content, dict) or content.get("format") != _PRECOMPILE_FORMAT:
+                raise RuntimeError("torch_tpu compile cache: unknown program format")
+            return _LoadedProgram(f"cached{self.key}", content)
+
+    TpuProgramArtifact.__module__ = __name__
+    TpuProgramArtifact.__qualname__ = "TpuProgramArtifact"
+    return TpuProgramArtifact
+
+
+def __getattr__(name):
+    if name == "TpuProgramArtifact":  # defined on first use: torch._dynamo is imported late
+        cls = globals()["TpuProgramArtifact"] = _artifact_class()
+        return cls
+    raise AttributeError(name)
+
+
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """The ``tpu`` Dynamo backend (``torch.compile(model, backend="tpu")``)."""
     from . import _C  # noqa: F401  (loads the extension: torch_tpu registers the device)
@@ -367,7 +574,29 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         from torch._dynamo import disable
 
         return disable(_Specializing(gm), reason="tpu: per-shape specialization")
-    return _aot_backend()(gm, example_inputs, **kwargs)
+    backend_id = getattr(gm, "_backend_id", None)
+    if backend_id is None or not torch._dynamo.config.caching_precompile:
+        return _aot_backend()(gm, example_inputs, **kwargs)
+    _capture.append([])
+    try:
+        compiled = _aot_backend()(gm, example_inputs, **kwargs)
+        captured = _capture[-1]
+    finally:
+        _capture.pop()
+    try:
+        _record_artifact(backend_id, example_inputs, captured)
+    except Exception as e:  # the cache is best effort
+        _warn_once(f"precompile:{type(e).__name__}", f"torch_tpu: cannot save a compiled graph ({e})")
+    return compiled
+
+
+def enable_compile_cache() -> bool:
+    """Saves compiled frames under TORCH_TPU_CACHE_DIR for a warm start in
+    later processes (see torch_tpu._precompile); call before torch.compile.
+    The same as TORCH_TPU_COMPILE_CACHE=1."""
+    from . import _precompile
+
+    return _precompile.enable()
 
 
 def register() -> None:
@@ -377,3 +606,9 @@ def register() -> None:
     registry._lazy_import()
     if "tpu" not in registry._BACKENDS:
         registry.register_backend(tpu_backend, name="tpu")
+
+
+if os.environ.get("TORCH_TPU_COMPILE_CACHE", "0") not in ("", "0"):
+    from . import _precompile as _pc
+
+    _pc.maybe_enable_from_env()

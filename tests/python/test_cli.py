@@ -83,6 +83,22 @@ def test_cache_clear_removes_entries_quietly_without_a_terminal(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unrelated.txt"]
 
 
+def test_cache_info_and_clear_cover_saved_compiled_frames(tmp_path):
+    frames = tmp_path / "dynamo" / "0123abcd"
+    frames.mkdir(parents=True)
+    for i in range(3):
+        (frames / f"{i:040x}.entry").write_bytes(b"y" * 100)
+    (tmp_path / f"{7:040x}.pjrt").write_bytes(b"x" * 10)
+    env = {"TORCH_TPU_CACHE_DIR": str(tmp_path)}
+    r = run_cli("cache", "info", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "compiled frames 3, 300 bytes" in r.stdout, r.stdout
+    r = run_cli("cache", "clear", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"removed 4 entries from {tmp_path}"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_info_with_a_missing_plugin_names_it_and_points_to_doctor():
     r = run_cli("info", env={"TORCH_TPU_PJRT_PLUGIN": "/nonexistent/plugin.so"})
     assert r.returncode == 1
