@@ -77,7 +77,9 @@ def test_softmax_log_softmax(dtype, dim):
 
 
 def test_softmax_special_values():
-    x = torch.tensor([[0.0, float("-inf"), 1.0], [float("-inf")] * 3, [1e30, 1e30, -1e30]])
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[0.0, -inf, 1.0], [-inf] * 3, [1e30, 1e30, -1e30], [nan, 1.0, 2.0], [3.0, nan, -inf],
+                      [inf, 1.0, -inf], [inf, inf, 0.0], [nan] * 3])
     run_both(lambda a: torch.softmax(a, 1), x)
     run_both(lambda a: torch.log_softmax(a, 1), x)
     run_both(lambda a: torch.softmax(a, 0), torch.tensor(2.0))
