@@ -67,6 +67,13 @@ std::string DiskCache::Key(pjrt::Client& client, std::string_view module_text, c
   for (const auto& [name, value] : client.plugin()->attributes()) key += "\nattr " + name + "=" + value;
   key += "\noptions ";
   key += Sha1(options.Serialize());
+  // Compiler flags the plugins read from the environment change the code
+  // compiled for the same module and options (XLA_FLAGS: the XLA CPU and
+  // CUDA plugins; LIBTPU_INIT_ARGS: libtpu).
+  for (const char* name : {"XLA_FLAGS", "LIBTPU_INIT_ARGS"}) {
+    const char* value = std::getenv(name);
+    if (value && *value) key += std::string("\nenv ") + name + "=" + value;
+  }
   key += "\n";
   key += module_text;
   return key;

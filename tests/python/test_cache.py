@@ -43,6 +43,16 @@ def test_second_process_hits(tmp_path):
     assert v1 == v2
 
 
+def test_compiler_flags_from_the_environment_are_part_of_the_key(tmp_path):
+    # XLA_FLAGS changes the code XLA compiles for the same module: a process
+    # with other flags must not reuse executables compiled without them.
+    v1, _, misses1, _, _ = _run(tmp_path)
+    v2, hits2, misses2, _, _ = _run(tmp_path, XLA_FLAGS="--xla_cpu_enable_fast_math=false")
+    assert (hits2, misses2) == (0, misses1)
+    assert v1 == v2
+    assert len(_entries(tmp_path)) == 2 * misses1
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "key"])
 def test_corrupt_entry_is_recompiled_and_replaced(tmp_path, damage):
     reference, _, misses, _, _ = _run(tmp_path)
