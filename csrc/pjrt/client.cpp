@@ -1,14 +1,28 @@
 // PJRT_Client wrapper: devices, compilation, host-to-device transfers.
 #include <string>
+#include <vector>
 
 #include "call.h"
 #include "pjrt.h"
 
 namespace torch_tpu::pjrt {
 
-std::shared_ptr<Client> Client::Create(std::shared_ptr<Plugin> plugin) {
+std::shared_ptr<Client> Client::Create(std::shared_ptr<Plugin> plugin,
+                                       const std::vector<std::pair<std::string, int64_t>>& int_options) {
   const Plugin& p = *plugin;
-  PJRT_Client_Create_Args create{};  // no create options, no KV store
+  std::vector<PJRT_NamedValue> options(int_options.size());
+  for (size_t i = 0; i < int_options.size(); ++i) {
+    PJRT_NamedValue& v = options[i];
+    v.struct_size = PJRT_NamedValue_STRUCT_SIZE;
+    v.name = int_options[i].first.c_str();
+    v.name_size = int_options[i].first.size();
+    v.type = PJRT_NamedValue_kInt64;
+    v.int64_value = int_options[i].second;
+    v.value_size = 1;
+  }
+  PJRT_Client_Create_Args create{};  // no KV store
+  create.create_options = options.data();
+  create.num_options = options.size();
   TORCH_TPU_PJRT_CALL(p, PJRT_Client_Create, create);
 
   std::shared_ptr<Client> client(new Client());

@@ -175,7 +175,11 @@ class Executable {
 // Owns a PJRT_Client.
 class Client {
  public:
-  static std::shared_ptr<Client> Create(std::shared_ptr<Plugin> plugin);
+  // `int_options`: integer PJRT_Client_Create options (PJRT_NamedValue
+  // kInt64), plugin-specific, e.g. the CPU plugin's "cpu_device_count".
+  // Throws Error with the plugin's diagnostic if the plugin rejects one.
+  static std::shared_ptr<Client> Create(std::shared_ptr<Plugin> plugin,
+                                        const std::vector<std::pair<std::string, int64_t>>& int_options = {});
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;

@@ -1,14 +1,18 @@
 #include "runtime/runtime.h"
 
 #include <c10/util/Exception.h>
+#include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <stdexcept>
+#include <thread>
 #include <unordered_set>
 #include <vector>
 
@@ -189,6 +193,21 @@ const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element) {
   return current_;
 }
 
+int64_t CpuDeviceCount() {
+  if (const char* e = std::getenv("TORCH_TPU_CPU_DEVICES"); e && *e) {
+    char* end = nullptr;
+    long n = std::strtol(e, &end, 10);
+    if (*end != '\0' || n < 1 || n > 1024)
+      throw std::invalid_argument(std::string("TORCH_TPU_CPU_DEVICES=") + e +
+                                  ": expected the number of CPU plugin devices, an integer from 1 to 1024");
+    return n;
+  }
+  cpu_set_t set;
+  int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
+  if (cores <= 0) cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::min<int64_t>(4, cores);
+}
+
 void Runtime::SetPluginPath(std::string path) { PluginPathStorage() = std::move(path); }
 const std::string& Runtime::PluginPath() { return PluginPathStorage(); }
 bool Runtime::Initialized() { return instance != nullptr; }
@@ -205,8 +224,21 @@ Runtime& Runtime::Get() {
   if (path.empty())
     throw pjrt::Error("torch_tpu: no PJRT plugin configured (set TORCH_TPU_PJRT_PLUGIN or import torch_tpu)");
   auto* rt = new Runtime();
+  // XLA plugins log INFO lines to stderr (the CPU plugin: one per client
+  // created with options); as PyTorch users expect, only warnings and errors
+  // are shown unless the user set the level.
+  setenv("TF_CPP_MIN_LOG_LEVEL", "1", /*overwrite=*/0);
   auto plugin = pjrt::Plugin::Load(path);
   rt->client_ = pjrt::Client::Create(plugin);
+  if (rt->client_->platform_name() == "cpu") {
+    // The CPU plugin sizes its intra-op thread pool to max(cores, devices)
+    // and defaults to 4 devices: on fewer cores that oversubscribes them.
+    const int64_t want = CpuDeviceCount();
+    if (want != static_cast<int64_t>(rt->client_->addressable_devices().size())) {
+      rt->client_.reset();
+      rt->client_ = pjrt::Client::Create(plugin, {{"cpu_device_count", want}});
+    }
+  }
   if (rt->client_->addressable_devices().empty())
     throw pjrt::Error("torch_tpu: plugin " + path + " reports no addressable devices");
   // PyTorch propagates NaN through max/min; the CPU plugin's fast min/max

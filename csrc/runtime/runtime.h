@@ -92,6 +92,12 @@ void ReleaseStorage(DeviceStorage* storage);
 DeviceStorage* FindLiveStorage(const void* data);
 // Frees the storages ReleaseStorage kept (the fused executor, after a flush).
 void ReleaseKeptStorages();
+// Devices to ask of a PJRT CPU plugin: TORCH_TPU_CPU_DEVICES, else
+// min(4, the cores this process may run on) — the plugin's thread pool has
+// max(cores, devices) threads, and its default of 4 devices oversubscribes
+// smaller machines. Throws std::invalid_argument naming the variable when
+// it is not an integer in [1, 1024].
+int64_t CpuDeviceCount();
 
 // Runs the fused executor's recorded region, if any (set by the fused
 // executor; a no-op otherwise). Called before a pending storage is read and

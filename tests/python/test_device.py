@@ -36,6 +36,22 @@ def test_device_count_and_name():
     assert "cpu" in name.lower() and "PJRT" in name
 
 
+def test_cpu_plugin_device_count_follows_the_cores_or_the_environment():
+    code = ("import os, torch, torch_tpu; x = torch.ones(3, device='tpu'); "
+            "print(torch.tpu.device_count(), min(4, len(os.sched_getaffinity(0))), (x * 2).cpu().tolist())")
+    r = run_python(code)
+    assert r.returncode == 0, r.stderr
+    count, expected, values = r.stdout.split(maxsplit=2)
+    assert count == expected and values.strip() == "[2.0, 2.0, 2.0]"
+    assert "cpu_device_count" not in r.stderr  # the plugin's INFO log stays quiet
+    r = run_python("import torch; x = torch.ones(3, device='tpu:2'); print(torch.tpu.device_count(), x.sum().item())",
+                   env={"TORCH_TPU_CPU_DEVICES": "3"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["3", "3.0"]
+    r = run_python("import torch; torch.ones(1, device='tpu')", env={"TORCH_TPU_CPU_DEVICES": "two"})
+    assert r.returncode != 0 and "TORCH_TPU_CPU_DEVICES=two" in r.stderr and "Traceback" in r.stderr
+
+
 def test_accelerator_api():
     assert torch.accelerator.is_available()
     assert torch.accelerator.current_accelerator().type == "tpu"
