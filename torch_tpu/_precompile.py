@@ -30,6 +30,10 @@ module's, not ``__module__``'s; modules Dynamo's bytecode loads under a
 generated name are recorded with the entry; and guards reached through a
 closure cell (``forward.__closure__[0].cell_contents``, the wrapped function)
 are not saved, as PyTorch already does for ``ID_MATCH`` and ``CLOSURE_MATCH``.
+
+Loading, saved guards are built once, not twice: PyTorch builds them a first
+time only to run its caching-precompile filter, which already kept exactly
+these guards when the entry was written (see ``_filter_keeps_all``).
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ import os
 import pickle
 import sys
 import tempfile
+import threading
 import warnings
 from typing import Any
 
@@ -235,6 +240,27 @@ def _guard_filter(guards) -> list[bool]:
     return ["__closure__" not in g.name for g in guards]
 
 
+# The guard types PyTorch 2.13's CheckFunctionManager drops under
+# caching_precompile (by the guard's create function, or among the types its
+# build derived).
+_PRECOMPILE_DROPPED = ("ID_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE", "DICT_VERSION")
+_PRECOMPILE_DROPPED_DERIVED = ("ID_MATCH", "DICT_VERSION")
+_loading = threading.local()  # .unfiltered: the next CheckFunctionManager builds once
+
+
+def _filter_keeps_all(guards) -> bool:
+    """Whether the caching-precompile filter (PyTorch's rule and
+    ``_guard_filter``) keeps every one of these saved guards. It reads only a
+    guard's create function, the guard types its build recorded
+    (``guard.guard_types``, saved with it) and its name, never a value."""
+    for g in guards:
+        derived = tuple(g.guard_types or ())
+        if (g.create_fn_name() in _PRECOMPILE_DROPPED or "__closure__" in g.name
+                or any(t in derived for t in _PRECOMPILE_DROPPED_DERIVED)):
+            return False
+    return True
+
+
 def _patch() -> None:
     import torch._dynamo.codegen as codegen
     import torch._dynamo.guards as guards
@@ -295,6 +321,17 @@ def _patch() -> None:
     init = guards.CheckFunctionManager.__init__
 
     def __init__(self, *args, **kwargs):
+        if getattr(_loading, "unfiltered", False):
+            # Saved guards the filter keeps whole (see 6.): one build, as
+            # without caching_precompile, instead of a build to filter and a
+            # second one.
+            _loading.unfiltered = False
+            kwargs.pop("guard_filter_fn", None)
+            if len(args) >= 5:
+                args = args[:4] + (None,) + args[5:]
+            with torch._dynamo.config.patch(caching_precompile=False):
+                init(self, *args, **kwargs)
+            return
         if torch._dynamo.config.caching_precompile:
             user = kwargs.get("guard_filter_fn")
             if user is None and len(args) >= 5:
@@ -308,6 +345,25 @@ def _patch() -> None:
         init(self, *args, **kwargs)
 
     guards.CheckFunctionManager.__init__ = __init__
+
+    # 6. Loading saved guards, PyTorch builds them twice: once to run the
+    #    caching-precompile filter over them, then the kept ones. The saved
+    #    guards are what that same filter kept when the entry was written
+    #    (serialize_guards pickles the filtered list, each guard with the
+    #    guard types its build recorded), and the filter decides from those
+    #    fields alone, so it keeps them all again: when _filter_keeps_all
+    #    confirms it, the guards are built once. Otherwise PyTorch filters.
+    load_guard_manager = package.load_guard_manager
+
+    def _load_guard_manager(guards_state, *args, **kwargs):
+        _loading.unfiltered = _filter_keeps_all(guards_state.output_graph._guards)
+        try:
+            return load_guard_manager(guards_state, *args, **kwargs)
+        finally:
+            _loading.unfiltered = False
+
+    _load_guard_manager.__wrapped__ = load_guard_manager  # PyTorch's (tests compare both)
+    package.load_guard_manager = _load_guard_manager
 
     # 5. An entry that fails to install leaves the package uninitialized, so
     #    that torch.compile starts a fresh one (PyTorch re-initializes it).
@@ -367,6 +423,7 @@ def _check_signature() -> str | None:
         if params[5:6] != ["guard_filter_fn"]:
             return "CheckFunctionManager has no guard_filter_fn in 5th position"
         for obj, name in ((package.CompilePackage, "_add_function"), (package.CompilePackage, "install"),
+                          (package, "load_guard_manager"), (torch._guards.Guard, "create_fn_name"),
                           (codegen.PyCodegen, "create_load_python_module"), (package, "DiskDynamoCache"),
                           (getattr(guards, "GuardsStatePickler", None), "reducer_override")):
             if not hasattr(obj, name):
@@ -381,6 +438,10 @@ def _check_signature() -> str | None:
 def enable() -> bool:
     """Turns the cache on for this process (before ``torch.compile``);
     returns whether it is on. Needs TORCH_TPU_CACHE_DIR to be enabled."""
+    if _state["enabled"]:
+        return True
+    from . import _dynamo  # noqa: F401  (its first import enables under TORCH_TPU_COMPILE_CACHE=1)
+
     if _state["enabled"]:
         return True
     from torch_tpu import _C
