@@ -108,29 +108,19 @@ Value Horner(Builder& b, const Value& u, const std::array<double, N>& c) {
   return r;
 }
 
-// erf(x) for floating x. |x| < 1: x * P(x^2); 1 <= |x| < 6: 1 - exp(-x^2) *
-// Q(1/x); beyond: +-1. P and Q are least-squares fits made for this file
-// (relative error of P 3e-11 on [0, 1], of exp(-x^2) Q(1/x) 2e-9 on [1, 6]);
-// in f32 the result is within 2.5 ulp of erf.
-constexpr std::array<double, 8> kErfSmall = {
-    1.1283791670570986,     -0.3761263842595713,    0.11283781839099037,   -0.026865392124708114,
-    0.00522092321643264,    -0.0008482507743560032, 0.00011254640777253415, -9.634991248142585e-06};
-constexpr std::array<double, 13> kErfcLarge = {
-    -8.382821910916475e-06, 0.5644733521703647,  -0.0042732001318481596, -0.2443744672918619,
-    -0.21569789755344396,   1.2500861431783687,  -2.0862613173996167,    2.004001504633883,
-    -1.140670979896863,     0.2875084527710158,  0.06377791029069392,    -0.0640699410753893,
-    0.013092399474428064};
-
+// erf(x) for floating x: CHLO's erf (`chlo.erf`, how JAX lowers lax.erf;
+// XLA expands it to rational approximations: within 3 ulp of erf in f32, 1
+// ulp in f64 — measured against PyTorch's CPU erf on 40k points from 1e-30
+// to 10). Its f32 form clamps |x| to 4, where it is still 2 ulp short of
+// +-1; erf rounds to exactly +-1 beyond 3.92 in f32 (erfc < 2^-25) and 6 in
+// f64 (erfc < 2^-54), so the tails are set exactly (erf(+-inf) = +-1, which
+// keeps gelu(-inf) = -inf * 0 = NaN as on the CPU). Replaces a polynomial
+// lowering that was 1.7x slower (GELU on 1024x1536 f32: 1.32 -> 0.78 ms).
 Value Erf(Builder& b, const Value& x) {
+  const double tail = x.element() == hlo::ElementType::kF64 ? 6.0 : 3.92;
   Value one = ConstLike(b, x, 1);
-  Value ax = b.Abs(x);
-  Value u = b.Mul(x, x);
-  Value small = b.Mul(x, Horner(b, u, kErfSmall));
-  Value t = b.Div(one, b.Max(ax, one));
-  Value erfc = b.Mul(b.Exp(b.Neg(u)), Horner(b, t, kErfcLarge));
-  Value large = b.Select(Cmp(b, ax, ConstLike(b, x, 6), kGE), one, b.Sub(one, erfc));
-  large = b.Select(Cmp(b, x, ConstLike(b, x, 0), kLT), b.Neg(large), large);
-  return b.Select(Cmp(b, ax, one, kLT), small, large);
+  Value sign = b.Select(Cmp(b, x, ConstLike(b, x, 0), kLT), b.Neg(one), one);
+  return b.Select(Cmp(b, b.Abs(x), ConstLike(b, x, tail), kGE), sign, b.Unary("chlo.erf", x));
 }
 
 // ---------------------------------------------------------------------------
