@@ -88,7 +88,7 @@ def encoder_factory(config, model_cpu, batch_cpu):
     return run, device
 
 
-def measure(name, factory, args):
+def measure(name, factory, args, iters):
     print(f"\n## {name}\n")
     print("| configuration | ms per call | ratio to CPU eager |")
     print("|---|---|---|")
@@ -101,7 +101,7 @@ def measure(name, factory, args):
         try:
             with torch_tpu.eager_mode(mode):
                 fn, device = factory(config)
-                ms = _median_ms(fn, _sync_for(device), args.warmup, args.iters)
+                ms = _median_ms(fn, _sync_for(device), args.warmup, iters)
         except Exception as e:  # a configuration that cannot run is reported, not fatal
             print(f"| {config} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} | |")
             continue
@@ -170,14 +170,16 @@ def main():
           f"torch threads {torch.get_num_threads()}")
     only = args.only.split(",")
     if "b" in only:
-        measure("(b) MLP training step (256-512-512-10, batch 64, AdamW)", mlp_step_factory, args)
+        # A step takes a few ms: 10x the calls, so that the median is not one
+        # garbage collection or scheduler hiccup away from another run's.
+        measure("(b) MLP training step (256-512-512-10, batch 64, AdamW)", mlp_step_factory, args, args.iters * 10)
     if "c" in only:
         _, model_cpu = _minilm.load(_minilm.model_dir())
         g = torch.Generator().manual_seed(0)
         batch = {"input_ids": torch.randint(1000, 2000, (8, 128), generator=g),
                  "attention_mask": torch.ones(8, 128, dtype=torch.long)}
         measure("(c) all-MiniLM-L6-v2 encoder forward, batch 8 x 128 tokens",
-                lambda config: encoder_factory(config, model_cpu, batch), args)
+                lambda config: encoder_factory(config, model_cpu, batch), args, args.iters)
     if "d" in only:
         first_result(args)
 
