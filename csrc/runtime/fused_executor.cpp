@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <unordered_map>
 
 #include "runtime/compiled_op.h"
@@ -104,6 +105,10 @@ class FusedExecutor {
       FlushLocked();  // resizing reads and replaces storages
       ApplyResizes(spec, *stack, first);
     }
+    // A region runs on one device: a call on another one is a sync point.
+    const int device_index = CurrentDeviceIndex(std::span<const c10::IValue>(*stack).subspan(first));
+    if (!calls_.empty() && device_index != region_device_) FlushLocked();
+    region_device_ = device_index;
     const int32_t call = static_cast<int32_t>(calls_.size());
     key_.push_back(reinterpret_cast<int64_t>(&op.schema()));
     AppendCallKey(op, *stack, first, entry, key_, ids_);
@@ -112,7 +117,6 @@ class FusedExecutor {
                                                            stack->end())};
     // Returns: written arguments as they are, new tensors over pending
     // storages.
-    int device_index = CurrentDeviceIndex(rc.args);
     std::vector<c10::IValue> returns;
     for (size_t r = 0; r < spec.outputs.size(); ++r) {
       if (!spec.defined[r]) {
@@ -157,7 +161,7 @@ class FusedExecutor {
   }
 
  private:
-  static int CurrentDeviceIndex(const std::vector<c10::IValue>& args) {
+  static int CurrentDeviceIndex(std::span<const c10::IValue> args) {
     for (const auto& v : args)
       if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == c10::DeviceType::PrivateUse1)
         return v.toTensor().device().index();
@@ -359,6 +363,7 @@ class FusedExecutor {
 
   std::recursive_mutex mutex_;
   bool flushing_ = false;
+  int region_device_ = -1;  // the device of the recorded calls
   std::vector<RecordedCall> calls_;
   std::vector<CreatedStorage> created_;
   std::vector<int64_t> key_;

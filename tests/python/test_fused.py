@@ -234,3 +234,15 @@ def test_minilm_encoder_fused_matches_strict():
     torch.testing.assert_close(fused, strict, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4)
     assert executions <= 3  # a few regions (transformers syncs once to build the mask), not one per op
+
+
+@pytest.mark.skipif(torch.tpu.device_count() < 2, reason="needs two tpu devices (TORCH_TPU_CPU_DEVICES)")
+def test_calls_on_another_device_start_a_new_region(fused):
+    a = torch.ones(2, device="tpu:1") * 2
+    b = torch.ones(2, device="tpu:0") * 3   # a region runs on one device: this flushes the tpu:1 one
+    x = torch.ones(3, device="tpu:1")
+    x.mul_(2)
+    c = torch.arange(3.0, device="tpu:0") + x.to("tpu:0")
+    assert (a.device, b.device, c.device) == (torch.device("tpu:1"), torch.device("tpu:0"), torch.device("tpu:0"))
+    assert a.cpu().tolist() == [2.0, 2.0] and b.cpu().tolist() == [3.0, 3.0]
+    assert x.cpu().tolist() == [2.0, 2.0, 2.0] and c.cpu().tolist() == [2.0, 3.0, 4.0]
