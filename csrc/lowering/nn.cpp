@@ -59,6 +59,25 @@ Value ShiftBack(Builder& b, const Value& x, std::span<const int64_t> dims) {
   return BroadcastTo(b, b.Reshape(m, KeepDimShape(x.dims(), dims)), x.dims());
 }
 
+// v rounded to t's precision (bf16/f16), kept in v's element type: the
+// rounding of the CPU kernel's scalar_t arithmetic.
+Value RoundTo(Builder& b, const Value& v, at::ScalarType t) {
+  if (t != at::kBFloat16 && t != at::kHalf) return v;
+  return b.Convert(b.Convert(v, ToElementType(t)), v.element());
+}
+
+// A loss's reduction: 0 none, 1 mean, 2 sum over every element (the sum
+// accumulated in v's type after rounding each element to t, as CPU's
+// sum/mean of the loss tensor).
+Value ReduceLoss(Builder& b, const Value& loss, int64_t reduction, at::ScalarType t, const OutputSpec& out) {
+  if (reduction == 0) return Out(b, loss, out);
+  Value l = RoundTo(b, loss, t);
+  Value s = ReduceSum(b, l, ReductionDims({}, l.rank()), false);
+  if (reduction == 1) s = b.Div(s, ConstLike(b, s, static_cast<double>(l.type.numel())));
+  return Out(b, s, out);
+}
+
+
 // ---------------------------------------------------------------------------
 // softmax family
 
@@ -473,12 +492,7 @@ std::vector<Value> LowerMseLoss(LoweringContext& ctx) {
   std::vector<int64_t> shape = BroadcastShapes(x.dims(), t.dims());
   Value d = b.Sub(Prepare(b, x, acc, shape), Prepare(b, t, acc, shape));
   Value l = b.Mul(d, d);
-  const int64_t reduction = ctx.int_arg("reduction");
-  if (reduction == 0) return {Out(b, l, out)};
-  auto dims = ReductionDims({}, l.rank());
-  Value s = ReduceSum(b, l, dims, false);
-  if (reduction == 1) s = b.Div(s, ConstLike(b, s, static_cast<double>(l.type.numel())));
-  return {Out(b, s, out)};
+  return {ReduceLoss(b, l, ctx.int_arg("reduction"), acc, out)};
 }
 
 std::vector<Value> LowerMseLossBackward(LoweringContext& ctx) {
@@ -558,11 +572,6 @@ std::vector<Value> LowerEmbeddingDenseBackward(LoweringContext& ctx) {
 
 // One c10::BFloat16/Half operation: round an f32 value to `t` and back (no-op
 // for float/double).
-Value RoundTo(Builder& b, const Value& v, at::ScalarType t) {
-  if (t != at::kBFloat16 && t != at::kHalf) return v;
-  return b.Convert(b.Convert(v, ToElementType(t)), v.element());
-}
-
 void RequireFloating(const LoweringContext& ctx, at::ScalarType t) {
   if (!at::isFloatingType(t))
     throw LoweringError(ctx.op_name() + ": expected a floating point input, got " + std::string(c10::toString(t)));
@@ -719,12 +728,7 @@ std::vector<Value> LowerBinaryCrossEntropy(LoweringContext& ctx) {
   Value logx = MaxPropagateNaN(b, r(b.Log(x)), floor);
   Value loss = r(b.Sub(r(b.Mul(r(b.Sub(y, ConstLike(b, y, 1))), log1m)), r(b.Mul(y, logx))));
   if (ctx.has("weight")) loss = r(b.Mul(loss, Prepare(b, ctx.tensor("weight"), acc, shape)));
-  const int64_t reduction = ctx.int_arg("reduction");
-  if (reduction == 0) return {Out(b, loss, out)};
-  auto dims = ReductionDims({}, loss.rank());
-  Value sum = ReduceSum(b, loss, dims, false);
-  if (reduction == 1) sum = b.Div(sum, ConstLike(b, sum, static_cast<double>(loss.type.numel())));
-  return {Out(b, sum, out)};
+  return {ReduceLoss(b, loss, ctx.int_arg("reduction"), t, out)};  // loss is already rounded to t
 }
 
 // binary_cross_entropy_backward: g * (x - t) / max((1 - x) * x, 1e-12),
@@ -756,14 +760,6 @@ std::vector<Value> LowerBinaryCrossEntropyBackward(LoweringContext& ctx) {
 //   huber:     z < delta ? 0.5 z^2 : delta (z - 0.5 delta)  (delta <= 0 raises)
 // computed in f32 for bf16/f16 and rounded to the dtype; then none/mean/sum
 // (the sum accumulated in f32, as CPU's sum/mean of the loss tensor).
-
-Value ReduceLoss(Builder& b, const Value& loss, int64_t reduction, at::ScalarType t, const OutputSpec& out) {
-  if (reduction == 0) return Out(b, loss, out);
-  Value l = RoundTo(b, loss, t);
-  Value s = ReduceSum(b, l, ReductionDims({}, l.rank()), false);
-  if (reduction == 1) s = b.Div(s, ConstLike(b, s, static_cast<double>(l.type.numel())));
-  return Out(b, s, out);
-}
 
 template <bool kHuber>
 double LossParam(const LoweringContext& ctx) {
