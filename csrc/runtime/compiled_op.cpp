@@ -6,6 +6,7 @@
 #include <c10/core/GeneratorImpl.h>
 #include <c10/util/hash.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <chrono>
@@ -791,12 +792,10 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
     if (s.kind != InputSlot::Kind::kStorage) continue;
     const at::Tensor& t = TensorOf(arg_of, s.call, s.arg, s.item);
     if (device_index < 0) device_index = t.device().index();
-    li.buffers[i] = StorageOf(t).Materialize(s.element).buffer.get();
-  }
-  for (int64_t d : donors) {
-    const InputSlot& s = inputs[static_cast<size_t>(d)];
-    const StorageBuffer& sb = StorageOf(TensorOf(arg_of, s.call, s.arg, s.item)).Materialize(s.element);
-    if (sb.buffer.use_count() == 1) li.donated.push_back(d);
+    const StorageBuffer& sb = StorageOf(t).Materialize(s.element);
+    li.buffers[i] = sb.buffer.get();
+    if (sb.buffer.use_count() == 1 && std::find(donors.begin(), donors.end(), static_cast<int64_t>(i)) != donors.end())
+      li.donated.push_back(static_cast<int64_t>(i));
   }
   li.device_index = device_index < 0 ? default_device : device_index;
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -858,7 +857,7 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
     profile.AwaitIfActive(done.get());
   }
   rt.metrics().executions++;
-  rt.metrics().donated_buffers += static_cast<int64_t>(li.donated.size());
+  if (!li.donated.empty()) rt.metrics().donated_buffers += static_cast<int64_t>(li.donated.size());
 
   std::vector<at::Tensor> new_tensors;
   size_t check = 0;
