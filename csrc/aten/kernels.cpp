@@ -12,6 +12,8 @@
 #include <ATen/ops/view_native.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -62,6 +64,16 @@ at::Tensor ReshapeAlias(const at::Tensor& self, c10::IntArrayRef size, c10::IntA
 at::Tensor Unfold(const at::Tensor& self, int64_t dimension, int64_t size, int64_t step) {
   return at::native::unfold(self, dimension, size, step);
 }
+
+// view_as_real / view_as_complex: PyTorch's own size/stride computation and
+// checks (view_as_complex rejects what CPU rejects: a last dimension of size
+// other than 2 or stride other than 1, odd strides, an odd storage offset,
+// other dtypes than half/float/double), over the same storage. The storage
+// keeps its element type; a program reading the view reinterprets its flat
+// buffer (c64[N] <-> f32[2N], lowering::ReinterpretFlat), so writes through
+// either alias are seen by the other, as on CPU.
+at::Tensor ViewAsReal(const at::Tensor& self) { return at::native::view_as_real(self); }
+at::Tensor ViewAsComplex(const at::Tensor& self) { return at::native::view_as_complex(self); }
 
 // Bytes of host memory holding the storage's current contents (zeros if it
 // was never written).
@@ -270,6 +282,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("view", View);
   m.impl("_reshape_alias", ReshapeAlias);
   m.impl("unfold", Unfold);
+  m.impl("view_as_real", ViewAsReal);
+  m.impl("view_as_complex", ViewAsComplex);
   m.impl("resize_", Resize);
   m.impl("set_.source_Storage_storage_offset", SetStorage);
   m.impl("set_.source_Storage", SetSourceStorage);

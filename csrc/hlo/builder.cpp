@@ -137,6 +137,16 @@ bool IsFloating(ElementType t) {
          t == ElementType::kF64;
 }
 bool IsComplex(ElementType t) { return t == ElementType::kC64 || t == ElementType::kC128; }
+ElementType ComplexPart(ElementType t) {
+  if (t == ElementType::kC64) return ElementType::kF32;
+  if (t == ElementType::kC128) return ElementType::kF64;
+  throw BuildError("ComplexPart: " + std::string(MlirName(t)) + " is not complex");
+}
+ElementType ComplexOf(ElementType t) {
+  if (t == ElementType::kF32) return ElementType::kC64;
+  if (t == ElementType::kF64) return ElementType::kC128;
+  throw BuildError("ComplexOf: complex numbers have f32 or f64 parts, not " + std::string(MlirName(t)));
+}
 bool IsSignedInteger(ElementType t) {
   return t == ElementType::kS8 || t == ElementType::kS16 || t == ElementType::kS32 ||
          t == ElementType::kS64;
@@ -702,6 +712,67 @@ std::vector<Value> Builder::While(std::span<const Value> init, const RegionFn& c
   };
   std::pair<std::vector<TensorType>, RegionFn> regions[] = {{types, checked_cond}, {types, checked_body}};
   return EmitValues("stablehlo.while", init, types, {}, regions);
+}
+
+Value Builder::Real(const Value& x) {
+  if (!IsComplex(x.element())) {
+    if (!IsFloating(x.element())) throw BuildError("stablehlo.real: needs a floating or complex operand");
+    return x;
+  }
+  Value in[] = {x};
+  return Emit1("stablehlo.real", in, TensorType{ComplexPart(x.element()), x.dims()});
+}
+
+Value Builder::Imag(const Value& x) {
+  if (!IsComplex(x.element())) {
+    if (!IsFloating(x.element())) throw BuildError("stablehlo.imag: needs a floating or complex operand");
+    return BroadcastInDim(Constant(TensorType{x.element(), {}}, 0), x.dims(), {});
+  }
+  Value in[] = {x};
+  return Emit1("stablehlo.imag", in, TensorType{ComplexPart(x.element()), x.dims()});
+}
+
+Value Builder::Complex(const Value& re, const Value& im) {
+  CheckSameType("stablehlo.complex", re, im);
+  Value in[] = {re, im};
+  return Emit1("stablehlo.complex", in, TensorType{ComplexOf(re.element()), re.dims()});
+}
+
+Value Builder::Fft(const Value& x, std::string_view kind, std::span<const int64_t> lengths) {
+  const int64_t k = static_cast<int64_t>(lengths.size());
+  if (k < 1 || k > 3 || x.rank() < k)
+    throw BuildError("stablehlo.fft: 1 to 3 transformed dimensions within the operand's rank, got " +
+                     std::to_string(k) + " for " + x.type.ToString());
+  TensorType out = x.type;
+  const size_t r = static_cast<size_t>(x.rank());
+  auto check_dims = [&](int64_t last_expected) {
+    for (int64_t i = 0; i < k; ++i) {
+      size_t d = r - static_cast<size_t>(k) + static_cast<size_t>(i);
+      int64_t want = i == k - 1 ? last_expected : lengths[static_cast<size_t>(i)];
+      if (x.dims()[d] != want)
+        throw BuildError("stablehlo.fft " + std::string(kind) + ": operand " + x.type.ToString() +
+                         " does not match fft_length " + I64List(lengths));
+    }
+  };
+  if (kind == "FFT" || kind == "IFFT") {
+    if (!IsComplex(x.element())) throw BuildError("stablehlo.fft " + std::string(kind) + ": needs a complex operand");
+    check_dims(lengths.back());
+  } else if (kind == "RFFT") {
+    if (!IsFloating(x.element())) throw BuildError("stablehlo.fft RFFT: needs an f32/f64 operand");
+    check_dims(lengths.back());
+    out.element = ComplexOf(x.element());
+    out.dims.back() = lengths.back() / 2 + 1;
+  } else if (kind == "IRFFT") {
+    if (!IsComplex(x.element())) throw BuildError("stablehlo.fft IRFFT: needs a complex operand");
+    check_dims(lengths.back() / 2 + 1);
+    out.element = ComplexPart(x.element());
+    out.dims.back() = lengths.back();
+  } else {
+    throw BuildError("stablehlo.fft: unknown fft_type " + std::string(kind));
+  }
+  std::string attr = "fft_type = #stablehlo<fft_type " + std::string(kind) + ">, fft_length = " + I64Array(lengths);
+  Value in[] = {x};
+  return Emit1("stablehlo.fft", in, out, attr);
 }
 
 Value Builder::TriangularSolve(const Value& a, const Value& b, bool left_side, bool lower,

@@ -29,6 +29,11 @@ bool IsComplex(ElementType t);
 bool IsSignedInteger(ElementType t);       // s8..s64
 bool IsUnsignedInteger(ElementType t);     // u8..u64 (not pred)
 int BitWidth(ElementType t);               // pred: 1
+// The element type of a complex type's parts (c64 -> f32, c128 -> f64) and
+// the complex type with parts `t` (f32 -> c64, f64 -> c128); both throw
+// BuildError for other types.
+ElementType ComplexPart(ElementType t);
+ElementType ComplexOf(ElementType t);
 
 // A ranked tensor type: element type and static dimensions (rank 0 = scalar).
 struct TensorType {
@@ -160,6 +165,13 @@ class Builder {
   Value Compare(const Value& a, const Value& b, CompareDirection dir);
   Value Select(const Value& pred, const Value& on_true, const Value& on_false);
   Value Clamp(const Value& min, const Value& x, const Value& max);
+  // Complex numbers (StableHLO real/imag/complex): Real and Imag take a
+  // complex tensor and return its parts (f32 for c64, f64 for c128); of a
+  // floating tensor, Real is the tensor and Imag zeros (the spec's rule).
+  // Complex(re, im) takes two f32 (f64) tensors of one shape -> c64 (c128).
+  Value Real(const Value& x);
+  Value Imag(const Value& x);
+  Value Complex(const Value& re, const Value& im);
 
   // --- reductions, contractions, indexing --------------------------------
   // Reduces each input over `dimensions` with init values and a body taking
@@ -192,6 +204,14 @@ class Builder {
                           const RegionFn& comparator);
   // THREE_FRY random bits: state tensor<2xui64> -> (new state, bits of `type`).
   std::pair<Value, Value> RngBitGenerator(const Value& state, const TensorType& type);
+
+  // stablehlo.fft over the last `lengths.size()` dimensions (1 to 3), as
+  // the spec defines it: kind "FFT"/"IFFT" complex -> complex (IFFT divides
+  // by the product of `lengths`), "RFFT" f32/f64 -> c64/c128 with the last
+  // dimension n -> n/2+1, "IRFFT" c64/c128 -> f32/f64 with the last
+  // dimension `lengths.back()` (reads lengths.back()/2+1 inputs, divides by
+  // the product). Throws BuildError on mismatched shapes or types.
+  Value Fft(const Value& x, std::string_view kind, std::span<const int64_t> lengths);
 
   // --- control flow and linear algebra ------------------------------------
   // stablehlo.while: loop-carried values start at `init`; cond(values) returns

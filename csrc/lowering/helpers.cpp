@@ -52,6 +52,13 @@ Value CastElement(Builder& b, const Value& v, ElementType to) {
   if (to == ElementType::kPred) {
     return b.Compare(v, ConstLike(b, v, 0), hlo::CompareDirection::kNE);
   }
+  // complex -> real keeps the real part (PyTorch's cast, which warns that
+  // the imaginary part is discarded); real -> complex has imaginary 0.
+  if (hlo::IsComplex(v.element()) && !hlo::IsComplex(to)) return CastElement(b, b.Real(v), to);
+  if (!hlo::IsComplex(v.element()) && hlo::IsComplex(to)) {
+    Value re = CastElement(b, v, hlo::ComplexPart(to));
+    return b.Complex(re, ConstLike(b, re, 0));
+  }
   return b.Convert(v, to);
 }
 
@@ -250,8 +257,29 @@ Value ViewIndices(Builder& b, const ViewLayout& v, ElementType index_type) {
 Value ReinterpretFlat(Builder& b, const Value& flat, ElementType to) {
   const ElementType from = flat.element();
   if (from == to) return flat;
-  if (hlo::IsComplex(from) || hlo::IsComplex(to))
-    throw LoweringError("complex storages are not reinterpreted on tpu (view_as_real/view_as_complex run on the CPU)");
+  // Complex elements are (real, imaginary) pairs of their part type, as in
+  // PyTorch's (and PJRT's) memory layout: c64[N] <-> f32[2N], through
+  // stablehlo.real/imag/complex (XLA fuses them with the view's slice).
+  if (hlo::IsComplex(from)) {
+    const int64_t n = flat.dims()[0];
+    int64_t col[] = {n, 1}, flat2[] = {2 * n};
+    Value parts[] = {b.Reshape(b.Real(flat), col), b.Reshape(b.Imag(flat), col)};
+    Value interleaved = b.Reshape(b.Concatenate(parts, 1), flat2);
+    return ReinterpretFlat(b, interleaved, to);
+  }
+  if (hlo::IsComplex(to)) {
+    Value p = ReinterpretFlat(b, flat, hlo::ComplexPart(to));
+    const int64_t m = p.dims()[0];
+    if (m % 2 != 0)
+      throw LoweringError("storage of " + std::to_string(m) + " " + std::string(hlo::MlirName(p.element())) +
+                          " elements cannot be read as " + std::string(hlo::MlirName(to)));
+    int64_t pairs[] = {m / 2, 2}, half[] = {m / 2};
+    Value g = b.Reshape(p, pairs);
+    int64_t s0[] = {0, 0}, l0[] = {m / 2, 1}, s1[] = {0, 1}, l1[] = {m / 2, 2}, st[] = {1, 1};
+    Value re = b.Reshape(b.Slice(g, s0, l0, st), half);
+    Value im = b.Reshape(b.Slice(g, s1, l1, st), half);
+    return b.Complex(re, im);
+  }
   auto bytes = [](ElementType t) { return std::max(1, hlo::BitWidth(t) / 8); };
   if (from == ElementType::kPred || to == ElementType::kPred) {
     if (bytes(from) != 1 || bytes(to) != 1) throw LoweringError("cannot reinterpret bool storage elements");
@@ -388,7 +416,9 @@ at::ScalarType ResultType(const LoweringContext& ctx, std::initializer_list<std:
       else zero = PromoteSkipUndefined(zero, a->dtype);
     } else if (a->kind == Kind::kScalar) {
       if (a->wrapped_number) {
-        at::ScalarType t = at::isFloatingType(a->dtype) ? c10::get_default_dtype_as_scalartype() : a->dtype;
+        at::ScalarType t = at::isFloatingType(a->dtype)  ? c10::get_default_dtype_as_scalartype()
+                           : at::isComplexType(a->dtype) ? c10::typeMetaToScalarType(c10::get_default_complex_dtype())
+                                                         : a->dtype;
         wrapped = PromoteSkipUndefined(wrapped, t);
       } else {
         zero = PromoteSkipUndefined(zero, a->dtype);
@@ -397,7 +427,6 @@ at::ScalarType ResultType(const LoweringContext& ctx, std::initializer_list<std:
   }
   at::ScalarType r = CombineCategories(dim, CombineCategories(zero, wrapped));
   if (r == at::ScalarType::Undefined) throw LoweringError(ctx.op_name() + ": no tensor operand");
-  if (at::isComplexType(r)) throw LoweringError(ctx.op_name() + ": complex dtypes are not supported on tpu");
   return r;
 }
 

@@ -64,8 +64,9 @@ Value Out(Builder& b, const Value& v, const OutputSpec& spec);
 // (at::native::result_type: dimensioned tensors over 0-d tensors over Python
 // numbers, each category only raising the kind: bool < integer < floating
 // < complex; a Python float is the default dtype). Absent arguments are
-// skipped. Throws LoweringError when no argument is a tensor or Scalar, or
-// the result is complex (complex arithmetic runs on the CPU).
+// skipped; a Python complex is the default complex dtype. Throws
+// LoweringError when no argument is a tensor or Scalar. Entries whose
+// lowering handles complex results say so (LoweringTraits::complex).
 at::ScalarType ResultType(const LoweringContext& ctx, std::initializer_list<std::string_view> names);
 
 // --- strided views of a flat storage ------------------------------------

@@ -1066,9 +1066,9 @@ TORCH_TPU_LOWERINGS({
     {"index_put", LowerIndexPut, {.index_checks = {{"indices", "self", "", true}}}},
     {"_index_put_impl", LowerIndexPut, {.index_checks = {{"indices", "self", "", true}}}},
     {"masked_scatter", LowerMaskedScatter},
-    {"cat", LowerCat},
-    {"stack", LowerStack},
-    {"constant_pad_nd", LowerConstantPadNd},
+    {"cat", LowerCat, {.complex = true}},  // data movement: complex as is
+    {"stack", LowerStack, {.complex = true}},  // data movement: complex as is
+    {"constant_pad_nd", LowerConstantPadNd, {.complex = true}},  // data movement: complex as is
     {"flip", LowerFlip},
     {"roll", LowerRoll},
     {"repeat", LowerRepeat},

@@ -12,6 +12,10 @@ namespace {
 using hlo::CompareDirection;
 using hlo::DotDims;
 
+// Every product here also contracts complex operands (dot_general does not
+// conjugate, as PyTorch's mm/bmm/dot do not; vdot is a composite over conj).
+const LoweringTraits kComplex{.complex = true};
+
 // Accumulation dtype of a product producing `out`.
 at::ScalarType AccType(at::ScalarType out) {
   if (out == at::kBool) return at::kLong;
@@ -109,17 +113,30 @@ std::vector<Value> LowerDot(LoweringContext& ctx) {
   return {Fit(ctx.b, Cast(ctx.b, r, out.dtype), out.sizes)};
 }
 
+// vdot(self, other) = sum(conj(self) * other) over 1-d tensors (CPU's
+// BLAS dotc); the plain dot of real tensors.
+std::vector<Value> LowerVdot(LoweringContext& ctx) {
+  auto& b = ctx.b;
+  const auto& out = ctx.outputs[0];
+  at::ScalarType acc = AccType(out.dtype);
+  Value x = Cast(b, ctx.tensor("self"), acc);
+  if (hlo::IsComplex(x.element())) x = b.Complex(b.Real(x), b.Neg(b.Imag(x)));
+  Value r = Dot(b, x, ctx.tensor("other"), DotDims{{}, {}, {0}, {0}}, acc);
+  return {Fit(b, Cast(b, r, out.dtype), out.sizes)};
+}
+
 }  // namespace
 
 TORCH_TPU_LOWERINGS({
-    {"mm", LowerMm},
-    {"bmm", LowerBmm},
-    {"addmm", LowerAddmm},
-    {"baddbmm", LowerBaddbmm},
-    {"addbmm", LowerAddbmm},
-    {"addmv", LowerAddmv},
-    {"mv", LowerMv},
-    {"dot", LowerDot},
+    {"mm", LowerMm, kComplex},
+    {"bmm", LowerBmm, kComplex},
+    {"addmm", LowerAddmm, kComplex},
+    {"baddbmm", LowerBaddbmm, kComplex},
+    {"addbmm", LowerAddbmm, kComplex},
+    {"addmv", LowerAddmv, kComplex},
+    {"mv", LowerMv, kComplex},
+    {"dot", LowerDot, kComplex},
+    {"vdot", LowerVdot, kComplex},
 });
 
 }  // namespace torch_tpu::lowering

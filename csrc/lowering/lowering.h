@@ -144,6 +144,10 @@ struct LoweringTraits {
   // (arange).
   bool static_scalars = false;
   std::vector<IndexCheck> index_checks;
+  // The lowering computes complex (c64/c128) inputs and outputs with
+  // PyTorch's complex semantics. Without it a call with a complex tensor
+  // runs on the CPU: a real-only lowering never sees complex values.
+  bool complex = false;
 };
 
 struct LoweringEntry {
@@ -154,6 +158,13 @@ struct LoweringEntry {
 
 // nullptr if no lowering is registered for this base name.
 const LoweringEntry* FindLowering(std::string_view base_name);
+// False when the call has a complex tensor or Scalar (argument or output)
+// and the entry does not declare complex support (traits.complex); view
+// entries (graph_only) and copy/clone/fill/zero/alias_copy/view_copy move
+// complex elements as they are. Both executors' paths and graph lowering
+// check it before calling the lowering, so a real-only lowering never sees
+// complex values (the call then runs on the CPU).
+bool ComplexSupported(const LoweringEntry& entry, const LoweringContext& ctx);
 // Every registered entry, for coverage reports.
 std::vector<const LoweringEntry*> AllLowerings();
 

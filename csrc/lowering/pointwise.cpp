@@ -34,11 +34,17 @@ constexpr CompareDirection kGT = CompareDirection::kGT;
 constexpr CompareDirection kGE = CompareDirection::kGE;
 
 bool IsFloat(ScalarType t) { return at::isFloatingType(t); }
+bool IsComplex(ScalarType t) { return at::isComplexType(t); }
 bool IsUnsigned(ScalarType t) {
   return t == at::kByte || t == at::kUInt16 || t == at::kUInt32 || t == at::kUInt64;
 }
 
 // Type promotion: ResultType (helpers.h).
+
+// Entries that also compute complex values (StableHLO's arithmetic,
+// exponential, log, sqrt, trig, power, select and EQ/NE compare take
+// complex operands; abs/sgn/isnan/isinf have complex branches below).
+const LoweringTraits kComplex{.complex = true};
 
 // ---------------------------------------------------------------------------
 // Operand preparation.
@@ -84,17 +90,21 @@ struct Pw {
 Pw MakePw(LoweringContext& ctx, std::initializer_list<std::string_view> names,
           Promote promote = Promote::kKeep) {
   ScalarType common = ResultType(ctx, names);
-  if (promote == Promote::kIntToFloat && !IsFloat(common)) common = c10::get_default_dtype_as_scalartype();
+  if (promote == Promote::kIntToFloat && !IsFloat(common) && !IsComplex(common)) common = c10::get_default_dtype_as_scalartype();
   return Pw{ctx, ctx.b, common, OpMathType(common), ctx.outputs.at(0).sizes};
 }
 
 // A Pw with an explicit common dtype (ops whose result keeps self's dtype).
 Pw MakePwAs(LoweringContext& ctx, ScalarType common) {
-  if (at::isComplexType(common)) throw LoweringError(ctx.op_name() + ": complex dtypes are not supported on tpu");
   return Pw{ctx, ctx.b, common, OpMathType(common), ctx.outputs.at(0).sizes};
 }
 
 Value Cmp(Builder& b, const Value& x, const Value& y, CompareDirection d) { return b.Compare(x, y, d); }
+// |z| of a complex z: stablehlo.abs with the part type as result.
+Value ComplexAbs(Builder& b, const Value& z) {
+  return b.Op("stablehlo.abs", std::span(&z, 1),
+              std::vector<TensorType>{TensorType{hlo::ComplexPart(z.element()), z.dims()}})[0];
+}
 Value IsNan(Builder& b, const Value& x) { return b.Compare(x, x, kNE); }
 Value Trunc(Builder& b, const Value& x) {
   return b.Select(Cmp(b, x, ConstLike(b, x, 0), kLT), b.Unary("stablehlo.ceil", x), b.Floor(x));
@@ -204,6 +214,7 @@ std::vector<Value> LowerDiv(LoweringContext& ctx) {
   }
   Pw p = MakePw(ctx, {"self", "other"});
   if (p.common == at::kBool) throw LoweringError(ctx.op_name() + ": bool division");
+  if (IsComplex(p.common)) throw LoweringError(ctx.op_name() + ": complex division with a rounding mode");
   Value x = p.InExact("self"), y = p.InExact("other");
   if (mode == "trunc") {
     Value q = p.b.Div(x, y);
@@ -248,7 +259,7 @@ std::vector<Value> LowerPow(LoweringContext& ctx) {
   const LoweredArg& exp_arg = ctx.arg("exponent");
   Value x = p.InExact("self"), e = p.InExact("exponent");
   Value r = b.Pow(x, e);
-  if (!IsFloat(p.compute)) {
+  if (!IsFloat(p.compute) && !IsComplex(p.compute)) {
     // Negative integer exponents: 1 for base 1, +-1 for base -1, else 0.
     if (IsUnsigned(p.compute)) return {p.Done(r)};
     Value zero = p.C(0), one = p.C(1);
@@ -314,16 +325,25 @@ std::vector<Value> LowerNeg(LoweringContext& ctx) {
 std::vector<Value> LowerAbs(LoweringContext& ctx) {
   Pw p = MakePw(ctx, {"self"});
   Value x = p.In("self");
+  if (IsComplex(p.common)) return {ComplexAbs(p.b, x)};  // |z|, real (stablehlo.abs of a complex)
   if (p.common == at::kBool || IsUnsigned(p.common)) return {x};
   return {p.Done(p.b.Abs(x))};
 }
 
 // sign = (0 < x) - (x < 0): NaN and -0.0 give +0.0, as PyTorch's CPU kernel.
+// sgn of a complex z: z / |z|, and 0 where z == 0 (c10's sgn_impl).
 std::vector<Value> LowerSign(LoweringContext& ctx) {
   Pw p = MakePw(ctx, {"self"});
   Builder& b = p.b;
   Value x = p.In("self");
   if (p.common == at::kBool) return {x};
+  if (IsComplex(p.common)) {
+    if (ctx.schema.name() != "aten::sgn") throw LoweringError(ctx.op_name() + ": sign of a complex tensor");
+    Value mag = ComplexAbs(b, x);
+    Value zero = ConstLike(b, mag, 0);
+    Value q = b.Div(x, CastElement(b, mag, x.element()));
+    return {b.Select(Cmp(b, mag, zero, kEQ), p.C(0), q)};
+  }
   Value zero = p.C(0);
   Value pos = CastElement(b, Cmp(b, x, zero, kGT), p.el());
   Value neg = CastElement(b, Cmp(b, x, zero, kLT), p.el());
@@ -413,7 +433,7 @@ std::vector<Value> LowerLerp(LoweringContext& ctx) {
 std::vector<Value> AddcOp(LoweringContext& ctx, bool divide) {
   Pw p = MakePw(ctx, {"self", "tensor1", "tensor2"});
   Builder& b = p.b;
-  if (divide && !IsFloat(p.common)) throw LoweringError(ctx.op_name() + ": integer addcdiv");
+  if (divide && !IsFloat(p.common) && !IsComplex(p.common)) throw LoweringError(ctx.op_name() + ": integer addcdiv");
   p.compute = ArithCompute(p.common);
   Value scaled = b.Mul(p.Scalar("value"), p.In("tensor1"));
   Value t = divide ? b.Div(scaled, p.In("tensor2")) : b.Mul(scaled, p.In("tensor2"));
@@ -447,12 +467,18 @@ template <CompareDirection D>
 std::vector<Value> Compare(LoweringContext& ctx) {
   Pw p = MakePw(ctx, {"self", "other"});
   p.compute = p.common;
+  if (IsComplex(p.common) && D != kEQ && D != kNE)
+    throw LoweringError(ctx.op_name() + ": complex numbers are not ordered");
   return {Cmp(p.b, p.In("self"), p.In("other"), D)};
 }
 
 std::vector<Value> LowerIsnan(LoweringContext& ctx) {
   Pw p = MakePwAs(ctx, ctx.arg("self").dtype);
   p.compute = p.common;
+  if (IsComplex(p.common)) {  // either part NaN
+    Value x = p.In("self");
+    return {p.b.Or(IsNan(p.b, p.b.Real(x)), IsNan(p.b, p.b.Imag(x)))};
+  }
   if (!IsFloat(p.common)) return {Const(p.b, ElementType::kPred, 0, p.sizes)};
   Value x = p.In("self");
   return {IsNan(p.b, x)};
@@ -461,6 +487,12 @@ std::vector<Value> LowerIsnan(LoweringContext& ctx) {
 std::vector<Value> LowerIsinf(LoweringContext& ctx) {
   Pw p = MakePwAs(ctx, ctx.arg("self").dtype);
   p.compute = p.common;
+  if (IsComplex(p.common)) {  // either part infinite
+    Value x = p.In("self");
+    Value re = p.b.Real(x), im = p.b.Imag(x);
+    Value inf = ConstLike(p.b, re, std::numeric_limits<double>::infinity());
+    return {p.b.Or(Cmp(p.b, p.b.Abs(re), inf, kEQ), Cmp(p.b, p.b.Abs(im), inf, kEQ))};
+  }
   if (!IsFloat(p.common)) return {Const(p.b, ElementType::kPred, 0, p.sizes)};
   return {Cmp(p.b, p.b.Abs(p.In("self")), p.C(std::numeric_limits<double>::infinity()), kEQ)};
 }
@@ -813,35 +845,35 @@ std::vector<Value> LowerHardswishBackward(LoweringContext& ctx) {
 
 TORCH_TPU_LOWERINGS({
     // arithmetic
-    {"add", LowerAdd},
-    {"sub", LowerSub},
-    {"rsub", LowerRsub},
-    {"mul", LowerMul},
-    {"div", LowerDiv},
+    {"add", LowerAdd, kComplex},
+    {"sub", LowerSub, kComplex},
+    {"rsub", LowerRsub, kComplex},
+    {"mul", LowerMul, kComplex},
+    {"div", LowerDiv, kComplex},
     {"floor_divide", LowerFloorDivide},
     {"remainder", LowerRemainder},
     {"fmod", LowerFmod},
-    {"pow", LowerPow},
-    {"neg", LowerNeg},
-    {"abs", LowerAbs},
+    {"pow", LowerPow, kComplex},
+    {"neg", LowerNeg, kComplex},
+    {"abs", LowerAbs, kComplex},
     {"sign", LowerSign},
-    {"sgn", LowerSign},
-    {"reciprocal", UnaryFloat<FReciprocal>},
+    {"sgn", LowerSign, kComplex},
+    {"reciprocal", UnaryFloat<FReciprocal>, kComplex},
     // unary math
-    {"sqrt", UnaryFloat<FSqrt>},
-    {"rsqrt", UnaryFloat<FRsqrt>},
-    {"exp", UnaryFloat<FExp>},
-    {"exp2", UnaryFloat<FExp2>},
-    {"expm1", UnaryFloat<FExpm1>},
-    {"log", UnaryFloat<FLog>},
-    {"log2", UnaryFloat<FLog2>},
-    {"log10", UnaryFloat<FLog10>},
-    {"log1p", UnaryFloat<FLog1p>},
-    {"sin", UnaryFloat<FSin>},
-    {"cos", UnaryFloat<FCos>},
-    {"tan", UnaryFloat<FTan>},
-    {"tanh", UnaryFloat<FTanh>},
-    {"sigmoid", UnaryFloat<FSigmoid>},
+    {"sqrt", UnaryFloat<FSqrt>, kComplex},
+    {"rsqrt", UnaryFloat<FRsqrt>, kComplex},
+    {"exp", UnaryFloat<FExp>, kComplex},
+    {"exp2", UnaryFloat<FExp2>, kComplex},
+    {"expm1", UnaryFloat<FExpm1>, kComplex},
+    {"log", UnaryFloat<FLog>, kComplex},
+    {"log2", UnaryFloat<FLog2>, kComplex},
+    {"log10", UnaryFloat<FLog10>, kComplex},
+    {"log1p", UnaryFloat<FLog1p>, kComplex},
+    {"sin", UnaryFloat<FSin>, kComplex},
+    {"cos", UnaryFloat<FCos>, kComplex},
+    {"tan", UnaryFloat<FTan>, kComplex},
+    {"tanh", UnaryFloat<FTanh>, kComplex},
+    {"sigmoid", UnaryFloat<FSigmoid>, kComplex},
     {"erf", UnaryFloat<FErf>},
     {"erfinv", LowerErfinv},
     // rounding
@@ -859,20 +891,20 @@ TORCH_TPU_LOWERINGS({
     {"fmax", LowerFmax},
     {"fmin", LowerFmin},
     {"lerp", LowerLerp},
-    {"addcmul", LowerAddcmul},
-    {"addcdiv", LowerAddcdiv},
+    {"addcmul", LowerAddcmul, kComplex},
+    {"addcdiv", LowerAddcdiv, kComplex},
     // selection
-    {"where", LowerWhere},
-    {"masked_fill", LowerMaskedFill},
+    {"where", LowerWhere, kComplex},
+    {"masked_fill", LowerMaskedFill, kComplex},
     // comparisons and predicates
-    {"eq", Compare<CompareDirection::kEQ>},
-    {"ne", Compare<CompareDirection::kNE>},
+    {"eq", Compare<CompareDirection::kEQ>, kComplex},
+    {"ne", Compare<CompareDirection::kNE>, kComplex},
     {"lt", Compare<CompareDirection::kLT>},
     {"le", Compare<CompareDirection::kLE>},
     {"gt", Compare<CompareDirection::kGT>},
     {"ge", Compare<CompareDirection::kGE>},
-    {"isnan", LowerIsnan},
-    {"isinf", LowerIsinf},
+    {"isnan", LowerIsnan, kComplex},
+    {"isinf", LowerIsinf, kComplex},
     {"nan_to_num", LowerNanToNum},
     // logical and bitwise
     {"logical_and", LowerLogicalAnd},

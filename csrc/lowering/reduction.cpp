@@ -92,7 +92,8 @@ std::vector<Value> LowerProd(LoweringContext& ctx) {
 
 std::vector<Value> LowerMean(LoweringContext& ctx) {
   const auto& out = ctx.outputs[0];
-  if (!IsFloat(out.dtype)) throw LoweringError(ctx.op_name() + ": mean of a non-floating dtype");
+  if (!IsFloat(out.dtype) && !at::isComplexType(out.dtype))
+    throw LoweringError(ctx.op_name() + ": mean of a non-floating dtype");
   Value x = InputIn(ctx, AccType(out.dtype));
   auto dims = DimsOf(ctx, x);
   Value s = ReduceSum(ctx.b, x, dims, false);
@@ -395,11 +396,11 @@ std::vector<Value> LowerNorm(LoweringContext& ctx) {
 }  // namespace
 
 TORCH_TPU_LOWERINGS({
-    {"sum", LowerSum},
+    {"sum", LowerSum, {.complex = true}},
     {"nansum", LowerNansum},
     {"count_nonzero", LowerCountNonzero},
-    {"mean", LowerMean},
-    {"prod", LowerProd},
+    {"mean", LowerMean, {.complex = true}},
+    {"prod", LowerProd, {.complex = true}},
     {"amax", LowerAmax},
     {"amin", LowerAmin},
     {"aminmax", LowerAminmax},

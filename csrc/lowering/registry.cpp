@@ -1,5 +1,6 @@
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "lowering/lowering.h"
 
@@ -24,6 +25,30 @@ const LoweringEntry* FindLowering(std::string_view base_name) {
   auto& r = Registry();
   auto it = r.find(base_name);
   return it == r.end() ? nullptr : &it->second;
+}
+
+bool ComplexSupported(const LoweringEntry& entry, const LoweringContext& ctx) {
+  if (entry.traits.complex || entry.traits.graph_only) return true;
+  // Data movement: complex elements are copied, filled or cast as they are.
+  static const std::unordered_set<std::string_view> kMoves = {"copy", "clone", "zero", "fill",
+                                                              "alias_copy", "view_copy"};
+  bool complex_out = false;
+  for (const auto& o : ctx.outputs) complex_out |= at::isComplexType(o.dtype);
+  if (kMoves.count(entry.name)) {
+    // A complex Scalar filling a real tensor: CPU checks the value (it
+    // raises unless the imaginary part is 0); that check stays there.
+    for (const auto& a : ctx.args)
+      if (a.kind == LoweredArg::Kind::kScalar && hlo::IsComplex(a.value.element()) && !complex_out) return false;
+    return true;
+  }
+  if (complex_out) return false;
+  for (const auto& a : ctx.args) {
+    if (a.kind == LoweredArg::Kind::kTensor && hlo::IsComplex(a.value.element())) return false;
+    if (a.kind == LoweredArg::Kind::kScalar && hlo::IsComplex(a.value.element())) return false;
+    for (size_t j = 0; j < a.list.size(); ++j)
+      if (a.present[j] && hlo::IsComplex(a.list[j].element())) return false;
+  }
+  return true;
 }
 
 std::vector<const LoweringEntry*> AllLowerings() {

@@ -47,13 +47,14 @@ hlo::ElementType ScalarElement(const c10::Scalar& s, bool has_f64) {
   if (s.isBoolean()) return hlo::ElementType::kPred;
   if (s.isIntegral(false)) return hlo::ElementType::kS64;
   if (s.isFloatingPoint()) return has_f64 ? hlo::ElementType::kF64 : hlo::ElementType::kF32;
-  throw UnsupportedOp("complex scalars are not supported on tpu");
+  // Python complex numbers: c64 unless the call has an f64 tensor, as floats.
+  return has_f64 ? hlo::ElementType::kC128 : hlo::ElementType::kC64;
 }
 
 hlo::ElementType CpuScalarElement(const at::Tensor& t, bool has_f64) {
   at::ScalarType st = t.scalar_type();
   if (st == at::kDouble && !has_f64) return hlo::ElementType::kF32;
-  if (at::isComplexType(st)) throw UnsupportedOp("complex scalars are not supported on tpu");
+  if (st == at::kComplexDouble && !has_f64) return hlo::ElementType::kC64;
   return lowering::ToElementType(st);
 }
 
@@ -72,11 +73,13 @@ bool CallHasF64(const torch::jit::Stack& stack, size_t first, size_t n) {
   for (size_t i = first; i < first + n; ++i) {
     const auto& v = stack[i];
     if (v.isTensor() && v.toTensor().defined() && v.toTensor().dim() > 0 &&
-        v.toTensor().scalar_type() == at::kDouble)
+        (v.toTensor().scalar_type() == at::kDouble || v.toTensor().scalar_type() == at::kComplexDouble))
       return true;
     if (v.isTensorList())
       for (const auto& t : v.toTensorList())
-        if (static_cast<at::Tensor>(t).scalar_type() == at::kDouble) return true;
+        if (static_cast<at::Tensor>(t).scalar_type() == at::kDouble ||
+            static_cast<at::Tensor>(t).scalar_type() == at::kComplexDouble)
+          return true;
   }
   return false;
 }
@@ -542,19 +545,8 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
     inputs.push_back(s);
   }
   ctx.outputs = spec.outputs;
-  // Complex numbers: only data movement is lowered; arithmetic runs on the
-  // CPU (the lowerings compute on real element types).
-  static const std::unordered_set<std::string_view> kComplexSafe = {"copy", "clone", "zero", "fill",
-                                                                    "_to_copy", "alias_copy", "view_copy"};
-  if (!kComplexSafe.count(entry.name)) {
-    bool complex = false;
-    for (const auto& o : spec.outputs) complex |= at::isComplexType(o.dtype);
-    for (const auto& a : ctx.args) {
-      complex |= a.kind == LoweredArg::Kind::kTensor && hlo::IsComplex(a.value.element());
-      for (size_t j = 0; j < a.list.size(); ++j) complex |= a.present[j] && hlo::IsComplex(a.list[j].element());
-    }
-    if (complex) throw UnsupportedOp("complex dtypes run on the CPU");
-  }
+  if (!lowering::ComplexSupported(entry, ctx))
+    throw UnsupportedOp(name + ": no complex lowering (runs on the CPU)");
   AddIndexChecks(name, ctx, entry);
 
   std::vector<hlo::Value> results;

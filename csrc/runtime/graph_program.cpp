@@ -240,6 +240,7 @@ std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vecto
       if (o.dtype != at::ScalarType::Undefined) rng_increment += std::max<int64_t>(Numel(o.sizes), 1);
   }
 
+  if (!lowering::ComplexSupported(*entry, ctx)) throw GraphUnsupported(op_name + ": no complex lowering");
   std::vector<hlo::Value> results;
   try {
     results = entry->fn(ctx);

@@ -272,8 +272,8 @@ std::shared_ptr<pjrt::Buffer> Runtime::Upload(const void* data, hlo::ElementType
 
 std::shared_ptr<pjrt::Buffer> Runtime::ScalarBuffer(const void* bytes, hlo::ElementType element,
                                                     int device_index) {
-  ScalarKey key{0, element, device_index};
-  std::memcpy(&key.bits, bytes, ElementSize(element));
+  ScalarKey key{{0, 0}, element, device_index};
+  std::memcpy(key.bits, bytes, std::min(sizeof(key.bits), ElementSize(element)));
   std::lock_guard<std::mutex> lock(scalar_mutex_);
   for (auto it = scalars_.rbegin(); it != scalars_.rend(); ++it)
     if (it->first == key) return it->second;

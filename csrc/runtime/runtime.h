@@ -180,7 +180,7 @@ class Runtime {
   pjrt::CompileOptions compile_options_;
   Metrics metrics_;
   struct ScalarKey {
-    uint64_t bits;
+    uint64_t bits[2];  // the value's bit pattern (16 bytes: complex128)
     hlo::ElementType element;
     int device;
     bool operator==(const ScalarKey&) const = default;
