@@ -13,7 +13,8 @@ Each run gives one ``Outcome``:
   fallback  values match, but some ATen ops ran through the CPU fallback
             (``fallbacks`` names them, from torch_tpu.metrics()["cpu_fallbacks"])
   skip      nothing to compare: CPU itself raises for that sample, the sample
-            holds complex tensors, or (debug mode) the NaN/Inf check fired as
+            holds complex tensors (except for COMPLEX_OPS, which also run
+            complex64 samples), or (debug mode) the NaN/Inf check fired as
             designed on a sample whose values are not finite
 
 Tolerance rule (``tolerance()``), chosen by the dtype of each output (an
@@ -60,7 +61,20 @@ from torch.utils import _pytree as pytree
 
 TPU = torch.device("tpu")
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool)
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int64: "int64", torch.bool: "bool"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int64: "int64", torch.bool: "bool",
+               torch.complex64: "complex64"}
+# OpInfos whose lowerings compute complex values (LoweringTraits::complex,
+# docs/design.md "Complex numbers"): they also run complex64 samples, and
+# their complex samples/outputs of other dtypes are compared, not skipped.
+COMPLEX_OPS = frozenset({
+    "add", "sub", "mul", "div.no_rounding_mode", "true_divide", "pow", "neg", "abs", "sgn", "reciprocal", "sqrt",
+    "rsqrt", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "tanh", "sigmoid",
+    "where", "masked_fill", "eq", "ne", "isnan", "isinf", "addcmul", "addcdiv", "mm", "bmm", "addmm", "baddbmm",
+    "addbmm", "addmv", "mv", "dot", "vdot", "matmul", "einsum", "sum", "mean", "prod", "conj_physical", "angle",
+    "polar", "complex", "view_as_real", "view_as_complex", "real", "imag", "conj", "resolve_conj",
+    "fft.fft", "fft.ifft", "fft.rfft", "fft.irfft", "fft.hfft", "fft.ihfft", "fft.fftn", "fft.ifftn",
+    "fft.rfftn", "fft.irfftn", "fft.fft2", "fft.ifft2", "fft.rfft2", "fft.irfft2", "stft", "istft",
+})
 NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 MODES = ("strict", "debug")
 PHASES = ("fwd", "bwd")
@@ -114,7 +128,10 @@ def tested_dtypes(op) -> list[torch.dtype]:
         supported = op.supported_dtypes("cpu")
     except Exception:  # pragma: no cover - malformed OpInfo
         return []
-    return [d for d in DTYPES if d in supported]
+    out = [d for d in DTYPES if d in supported]
+    if full_name(op) in COMPLEX_OPS and torch.complex64 in supported:
+        out.append(torch.complex64)
+    return out
 
 
 def backward_supported(op) -> bool:
@@ -195,6 +212,7 @@ DEFAULT_TOL = {
     torch.bfloat16: (1.6e-2, 1e-5),
     torch.int64: (0.0, 0.0),
     torch.bool: (0.0, 0.0),
+    torch.complex64: (1.3e-6, 1e-5),  # torch.testing's complex64 defaults
 }
 BF16_REDUCTION_ATOL = 1e-2
 
@@ -232,7 +250,7 @@ def tolerance(op, dtype, out_dtype=None, phase: str = "fwd") -> tuple[float, flo
         rtol, atol = DEFAULT_TOL[torch.bfloat16]
     if out_dtype in (torch.float16, torch.bfloat16) and reduction_like(op):
         atol = max(atol, BF16_REDUCTION_ATOL)
-    if out_dtype in (torch.float32, torch.float64) and (reduction_like(op) or phase == "bwd"):
+    if out_dtype in (torch.float32, torch.float64, torch.complex64) and (reduction_like(op) or phase == "bwd"):
         rtol, atol = max(rtol, FLOAT32_ACCUMULATING_TOL[0]), max(atol, FLOAT32_ACCUMULATING_TOL[1])
     for r, a in _declared_overrides(op, dtype):
         rtol, atol = max(rtol, r), max(atol, a)
@@ -380,9 +398,10 @@ def _has_tensors(obj) -> bool:
     return any(isinstance(x, torch.Tensor) for x in leaves)
 
 
-def _has_complex(obj) -> bool:
+def _has_complex(obj, sparse_only: bool = False) -> bool:
     leaves, _ = pytree.tree_flatten(obj)
-    return any(isinstance(x, torch.Tensor) and (x.is_complex() or x.is_sparse) for x in leaves)
+    return any(isinstance(x, torch.Tensor) and ((x.is_complex() and not sparse_only) or x.is_sparse)
+               for x in leaves)
 
 
 class Prepared:
@@ -712,7 +731,8 @@ def run_on_tpu(op, sample, phase: str, mode: str, ref: Reference):
 def run_sample(op, sample, index: int, dtype, mode: str, phase: str, ref: Reference | None = None) -> Outcome:
     name, dname = full_name(op), DTYPE_NAMES[dtype]
     outcome = Outcome(name, dname, mode, phase, index, "skip")
-    if _has_complex((sample.input, sample.args, sample.kwargs)):
+    complex_ok = name in COMPLEX_OPS
+    if _has_complex((sample.input, sample.args, sample.kwargs), sparse_only=complex_ok):
         outcome.reason = "complex or sparse tensors"
         return outcome
     if name.startswith("sparse.") or name.startswith("to_sparse"):
@@ -725,7 +745,7 @@ def run_sample(op, sample, index: int, dtype, mode: str, phase: str, ref: Refere
     if not ref.ok:
         outcome.reason = ref.error
         return outcome
-    if _has_complex(ref.out):
+    if _has_complex(ref.out, sparse_only=complex_ok):
         outcome.reason = "complex or sparse tensors"
         return outcome
     m0 = torch_tpu.metrics()
@@ -822,7 +842,7 @@ def plan(op, full: bool) -> list[Run]:
         if bwd:
             runs.append(Run("bwd", torch.float32, MODES))
         return runs
-    others = [d for d in dtypes if d != torch.float32]
+    others = [d for d in dtypes if d not in (torch.float32, torch.complex64)]
     chosen = [torch.float32] if torch.float32 in dtypes else []
     if others:
         chosen.append(others[_stable_hash(name) % len(others)])
@@ -830,6 +850,8 @@ def plan(op, full: bool) -> list[Run]:
         return []
     debug = name in FAST_DEBUG_OPS
     runs = [Run("fwd", d, ("strict", "debug") if debug and d == chosen[0] else ("strict",)) for d in chosen]
+    if torch.complex64 in dtypes:
+        runs.append(Run("fwd", torch.complex64, ("strict",)))
     if bwd:
         runs.append(Run("bwd", torch.float32, ("strict",)))
     return runs
