@@ -65,10 +65,13 @@ def test_writes_through_real_and_imag_are_seen_by_the_complex_tensor():
     torch.testing.assert_close(t.cpu(), x, rtol=0, atol=0)
 
 
-def test_writes_through_view_as_real_and_view_as_complex_alias():
+@pytest.mark.parametrize("mode", ["strict", "debug", "fused"])
+def test_writes_through_view_as_real_and_view_as_complex_alias(mode):
+    import torch_tpu
+
     base = torch.arange(24, dtype=torch.float32).reshape(3, 4, 2)
     t = base.to("tpu")
-    with no_cpu_fallback():
+    with torch_tpu.eager_mode(mode), no_cpu_fallback():
         for f in (base, t):
             c = torch.view_as_complex(f)
             c[1] = c[1] * c[2]       # complex write into a float storage
@@ -276,3 +279,25 @@ def test_complex_rope_forward_backward_matches_cpu(mode):
         got = [t.cpu() for t in got]
     for g_, w_ in zip(got, want):
         torch.testing.assert_close(g_, w_.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_complex_rope_with_cpu_fallback_disabled():
+    """TORCH_TPU_CPU_FALLBACK=0 makes any op without a lowering an error."""
+    from conftest import run_python
+
+    code = """
+import torch, torch_tpu
+freqs = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, device="tpu").float() / 8))
+freqs_cis = torch.polar(torch.ones(4, 4, device="tpu"), torch.outer(torch.arange(4, device="tpu").float(), freqs))
+x = torch.randn(1, 4, 2, 8, device="tpu", requires_grad=True)
+x_ = torch.view_as_complex(x.float().reshape(1, 4, 2, -1, 2))
+out = torch.view_as_real(x_ * freqs_cis.view(1, 4, 1, 4)).flatten(3)
+out.pow(2).sum().backward()
+ref = torch.view_as_real(torch.view_as_complex(x.detach().cpu().reshape(1, 4, 2, -1, 2)) * freqs_cis.cpu().view(1, 4, 1, 4)).flatten(3)
+torch.testing.assert_close(out.detach().cpu(), ref, rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(x.grad.cpu(), 2 * x.detach().cpu(), rtol=1e-5, atol=1e-5)  # |rotation| = 1
+print("ok", sum(torch_tpu.metrics()["cpu_fallbacks"].values()))
+"""
+    r = run_python(code, env={"TORCH_TPU_CPU_FALLBACK": "0"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["ok", "0"]
