@@ -29,9 +29,10 @@ const LoweringEntry* FindLowering(std::string_view base_name) {
 
 bool ComplexSupported(const LoweringEntry& entry, const LoweringContext& ctx) {
   if (entry.traits.complex || entry.traits.graph_only) return true;
-  // Data movement: complex elements are copied, filled or cast as they are.
-  static const std::unordered_set<std::string_view> kMoves = {"copy", "clone", "zero", "fill",
-                                                              "alias_copy", "view_copy"};
+  // Data movement and fills: complex elements are copied, filled or cast as
+  // they are.
+  static const std::unordered_set<std::string_view> kMoves = {
+      "copy", "clone", "zero", "fill", "alias_copy", "view_copy", "scalar_tensor", "full", "full_like"};
   bool complex_out = false;
   for (const auto& o : ctx.outputs) complex_out |= at::isComplexType(o.dtype);
   if (kMoves.count(entry.name)) {

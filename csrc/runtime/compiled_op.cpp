@@ -396,13 +396,25 @@ void ProgramBuilder::WriteTensor(const at::Tensor& t, const InputSlot& use, hlo:
   const int64_t numel = t.numel();
   const int64_t storage_numel =  // the storage's size in elements of t's dtype
       st.numel * static_cast<int64_t>(ElementSize(st.element)) / static_cast<int64_t>(ElementSize(element));
-  bool covers_all = t.is_contiguous() && t.storage_offset() == 0 && numel == storage_numel;
+  const bool whole_bytes =  // t's elements span exactly the storage's bytes
+      numel * static_cast<int64_t>(ElementSize(element)) == st.numel * static_cast<int64_t>(ElementSize(st.element));
+  bool covers_all = t.is_contiguous() && t.storage_offset() == 0 && numel == storage_numel && whole_bytes;
   if (covers_all && !st.current && !st.param) {
     int64_t dims[] = {numel};
     st.current = lowering::ReinterpretFlat(b, b.Reshape(value, dims), st.element);
   } else {
-    hlo::Value flat = lowering::ReinterpretFlat(b, ReadFlat(st), element);
-    st.current = lowering::ReinterpretFlat(b, lowering::WriteView(b, flat, LayoutOf(t), value), st.element);
+    hlo::Value old = ReadFlat(st);
+    hlo::Value flat = lowering::ReinterpretFlat(b, old, element);
+    hlo::Value updated = lowering::ReinterpretFlat(b, lowering::WriteView(b, flat, LayoutOf(t), value), st.element);
+    const int64_t kept = updated.dims()[0];
+    if (kept < st.numel) {
+      // A wider view leaves a tail of the storage no element of it covers
+      // (a complex view of an odd number of floats): keep the old tail.
+      int64_t start[] = {kept}, limit[] = {st.numel}, stride[] = {1};
+      hlo::Value parts[] = {updated, b.Slice(old, start, limit, stride)};
+      updated = b.Concatenate(parts, 0);
+    }
+    st.current = updated;
   }
 }
 
