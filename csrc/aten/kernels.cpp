@@ -255,6 +255,29 @@ at::Scalar LocalScalarDense(const at::Tensor& self) {
   return host.item();
 }
 
+// _has_compatible_shallow_copy_type(self, from): may `self` take `from`'s
+// TensorImpl fields in place (Variable::set_data, `param.data = t`)? This is
+// the question Module._apply asks (compute_should_use_set_data) before it
+// moves a Parameter: yes keeps the Parameter object (so tied weights stay
+// tied and an optimizer made earlier keeps its references), no makes a new
+// Parameter. TensorImpl::has_compatible_shallow_copy_type answers yes for
+// two dense tensors only when both backends are in a fixed list (CPU, CUDA,
+// MPS, HIP, XPU, HPU) — PrivateUse1 is not in it. This kernel gives the same
+// answer with tpu (PrivateUse1) added to that list; it is reached only when
+// one of the two tensors is on tpu (the dispatcher picks the highest
+// backend), so CPU and other devices keep PyTorch's own answer.
+bool HasCompatibleShallowCopyType(const at::Tensor& self, const at::Tensor& from) {
+  if (self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set())) return true;
+  auto dense = [](c10::DispatchKeySet ks) {
+    constexpr auto backends = c10::DispatchKeySet(
+        {c10::BackendComponent::CPUBit, c10::BackendComponent::CUDABit, c10::BackendComponent::MPSBit,
+         c10::BackendComponent::HIPBit, c10::BackendComponent::XPUBit, c10::BackendComponent::HPUBit,
+         c10::BackendComponent::PrivateUse1Bit});
+    return ks.has_any(c10::DispatchKeySet(c10::DispatchKey::Dense)) && ks.has_any(backends);
+  };
+  return dense(self.key_set()) && dense(from.key_set());
+}
+
 int64_t FusedSdpChoice(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                        double, bool, std::optional<double>, bool) {
   // The math path decomposes attention into matmul/softmax, which lower.
@@ -279,6 +302,14 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", CopyFromAndResize);
   m.impl("_local_scalar_dense", LocalScalarDense);
   m.impl("_fused_sdp_choice", FusedSdpChoice);
+  m.impl("_has_compatible_shallow_copy_type", HasCompatibleShallowCopyType);
+}
+
+// The op is CompositeImplicitAutograd; with a PrivateUse1 kernel the
+// AutogradPrivateUse1 entry would no longer take the composite, so the same
+// kernel serves it (the answer is a bool: nothing to differentiate).
+TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", HasCompatibleShallowCopyType);
 }
 
 // _copy_from(self, dst) has no alias annotation on dst, so PyTorch's
