@@ -42,7 +42,9 @@ bool OnTpu(const at::Tensor& t) { return t.device().type() == c10::DeviceType::P
 }
 
 // How a scalar reaches the program: floating scalars as f32 unless the call
-// has an f64 tensor (then f64), integers as s64, booleans as pred.
+// computes in f64 (CallHasF64: then f64, so Python floats keep their
+// precision and range, as CPU's double opmath does), integers as s64,
+// booleans as pred.
 hlo::ElementType ScalarElement(const c10::Scalar& s, bool has_f64) {
   if (s.isBoolean()) return hlo::ElementType::kPred;
   if (s.isIntegral(false)) return hlo::ElementType::kS64;
@@ -68,11 +70,26 @@ int64_t StorageNumel(const at::Tensor& t) {
   return static_cast<int64_t>(s.nbytes() / ElementSize(lowering::ToElementType(t.scalar_type())));
 }
 
-bool CallHasF64(const torch::jit::Stack& stack, size_t first, size_t n) {
-  for (size_t i = first; i < first + n; ++i) {
+bool IsScalarTypeArg(const c10::TypePtr& t) {
+  if (t->kind() == c10::TypeKind::ScalarTypeType) return true;
+  if (auto opt = t->cast<c10::OptionalType>()) return opt->getElementType()->kind() == c10::TypeKind::ScalarTypeType;
+  return false;
+}
+
+// Does the call compute in f64? A tpu f64 tensor of any rank (a 0-d one
+// too: `t64 - 1.0000000001` computes in f64 on CPU), a `dtype=float64`
+// argument (`full(..., dtype=float64)`), or float64 as the default dtype
+// (an integer tensor combined with a float then gives f64). CPU 0-d tensors
+// (wrapped Python numbers) do not count: they do not decide the dtype.
+bool CallHasF64(const std::vector<c10::Argument>& args, const torch::jit::Stack& stack, size_t first) {
+  if (c10::get_default_dtype_as_scalartype() == at::kDouble) return true;
+  for (size_t i = first; i < first + args.size(); ++i) {
     const auto& v = stack[i];
-    if (v.isTensor() && v.toTensor().defined() && v.toTensor().dim() > 0 &&
+    if (v.isTensor() && v.toTensor().defined() && (v.toTensor().dim() > 0 || OnTpu(v.toTensor())) &&
         v.toTensor().scalar_type() == at::kDouble)
+      return true;
+    if (v.isInt() && IsScalarTypeArg(args[i - first].real_type()) &&
+        static_cast<at::ScalarType>(v.toInt()) == at::kDouble)
       return true;
     if (v.isTensorList())
       for (const auto& t : v.toTensorList())
@@ -169,7 +186,9 @@ void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack
                    const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& ids) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
-  bool has_f64 = CallHasF64(stack, first, args.size());
+  bool has_f64 = CallHasF64(args, stack, first);
+  // Ops read the default dtype (meta kernels, integer-to-float promotion).
+  atoms.push_back(static_cast<int64_t>(c10::get_default_dtype_as_scalartype()));
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = stack[first + i];
     if (v.isTensor()) {
@@ -461,7 +480,7 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   const std::string name = schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
-  bool has_f64 = CallHasF64(stack, first, args.size());
+  bool has_f64 = CallHasF64(args, stack, first);
   lowering::LoweringContext ctx(b, schema);
   auto slot = [&](InputSlot::Kind kind, int16_t arg, int16_t item, hlo::ElementType e) {
     InputSlot s;
@@ -688,12 +707,17 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   return compiled;
 }
 
-void ScalarToBytes(const c10::Scalar& s, hlo::ElementType e, void* out) {
+// `checked`: Scalar arguments (alpha=1e300 into f32 raises, as on CPU);
+// CPU 0-d tensors (wrapped Python numbers) convert as CPU's TensorIterator
+// does, without a range check (`f32 * 1e300` is inf).
+void ScalarToBytes(const c10::Scalar& s, hlo::ElementType e, void* out, bool checked) {
   switch (e) {
     case hlo::ElementType::kPred: *static_cast<bool*>(out) = s.toBool(); break;
     case hlo::ElementType::kS64: *static_cast<int64_t*>(out) = s.toLong(); break;
     case hlo::ElementType::kS32: *static_cast<int32_t*>(out) = s.toInt(); break;
-    case hlo::ElementType::kF32: *static_cast<float*>(out) = s.toFloat(); break;
+    case hlo::ElementType::kF32:
+      *static_cast<float*>(out) = checked || !s.isFloatingPoint() ? s.toFloat() : static_cast<float>(s.toDouble());
+      break;
     case hlo::ElementType::kF64: *static_cast<double*>(out) = s.toDouble(); break;
     default: {
       // Other dtypes of CPU 0-d tensors: convert through a CPU tensor.
@@ -804,7 +828,7 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
       const c10::IValue& v = arg_of(s.call, s.arg);
       c10::Scalar scalar = v.isTensor() ? v.toTensor().item() : v.toScalar();
       alignas(16) char bytes[16] = {};
-      ScalarToBytes(scalar, s.element, bytes);
+      ScalarToBytes(scalar, s.element, bytes, /*checked=*/!v.isTensor());
       li.temps.push_back(rt.ScalarBuffer(bytes, s.element, li.device_index));
       li.buffers[i] = li.temps.back().get();
     } else if (s.kind == InputSlot::Kind::kRng) {
