@@ -99,15 +99,19 @@ void GrowStorage(const at::Tensor& self, size_t nbytes) {
 
 const at::Tensor& Resize(const at::Tensor& self, c10::IntArrayRef size,
                          std::optional<at::MemoryFormat> memory_format) {
-  runtime::FlushPendingWork();  // recorded ops saw the old metadata
+  TORCH_CHECK(!memory_format || *memory_format != at::MemoryFormat::Preserve, "Unsupported memory format",
+              *memory_format);
   auto* impl = self.unsafeGetTensorImpl();
+  // As resize_impl_cpu_: the same sizes keep the strides (a non-contiguous
+  // out= of the right shape stays a view: `ones(..., out=x.narrow(...))`).
+  if (self.sizes() == size && !memory_format) return self;
+  runtime::FlushPendingWork();  // recorded ops saw the old metadata
   int64_t numel = c10::multiply_integers(size);
   size_t nbytes = numel == 0 ? 0
                              : static_cast<size_t>(numel + self.storage_offset()) * self.dtype().itemsize();
   GrowStorage(self, nbytes);
   impl->set_sizes_contiguous(size);
-  if (memory_format && *memory_format != at::MemoryFormat::Preserve)
-    impl->empty_tensor_restride(*memory_format);
+  if (memory_format) impl->empty_tensor_restride(*memory_format);
   return self;
 }
 

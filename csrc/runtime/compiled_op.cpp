@@ -304,7 +304,8 @@ bool DumpHlo() {
 
 }  // namespace
 
-CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first) {
+CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                     bool out_resized_by_numel) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   // CPU 0-d tensors stay on the CPU for type promotion; meta kernels that
@@ -314,6 +315,12 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
     meta_stack.clear();
     for (size_t i = 0; i < args.size(); ++i) {
       const c10::IValue& v = stack[first + i];
+      if (out_resized_by_numel && IsOutArg(args[i]) && v.isTensor() && v.toTensor().defined()) {
+        // An empty out: the meta kernel gives the natural output sizes
+        // (and does not warn about resizing a tensor CPU would keep).
+        meta_stack.push_back(at::empty({0}, v.toTensor().options().device(c10::kMeta)));
+        continue;
+      }
       meta_stack.push_back(attempt == 1 && v.isTensor() && v.toTensor().defined() && v.toTensor().is_cpu()
                                ? c10::IValue(ToMeta(v.toTensor()))
                                : ToMetaValue(v));
@@ -355,7 +362,9 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
     else spec.outputs.push_back({at::kFloat, {}});  // placeholder: the lowering's value is dropped
   }
   // out= tensors of other sizes are resized as PyTorch's resize_output does
-  // (before every launch that shares the key).
+  // (before every launch that shares the key); for `out_resized_by_numel`
+  // ops only when the numel differs (AddCall then writes the values in the
+  // out's logical order, keeping its shape and strides).
   for (size_t r = 0; r < returns.size(); ++r) {
     int16_t a = spec.return_alias[r];
     if (a < 0) continue;
@@ -364,6 +373,7 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
       if (std::find(out_args.begin(), out_args.end(), a) == out_args.end())
         throw UnsupportedOp("in-place result has sizes " + c10::str(spec.outputs[r].sizes) +
                             " but the tensor has " + c10::str(target.sizes()));
+      if (out_resized_by_numel && target.numel() == c10::multiply_integers(spec.outputs[r].sizes)) continue;
       spec.resize_outputs.emplace_back(a, spec.outputs[r].sizes);
     }
     spec.outputs[r].dtype = target.scalar_type();
@@ -597,9 +607,12 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
     int16_t a = spec.return_alias[r];
     if (!spec.defined[r]) continue;
     if (a >= 0) {
-      WriteTensor(stack[first + static_cast<size_t>(a)].toTensor(), slot(InputSlot::Kind::kStorage, a, -1,
-                                                                           hlo::ElementType::kF32),
-                  results[r]);
+      const at::Tensor& target = stack[first + static_cast<size_t>(a)].toTensor();
+      hlo::Value value = results[r];
+      // An out= kept at its shape (ComputeSpec, out_resized_by_numel).
+      if (value.dims() != target.sizes().vec() && value.type.numel() == target.numel() && target.numel() > 0)
+        value = b.Reshape(value, target.sizes().vec());
+      WriteTensor(target, slot(InputSlot::Kind::kStorage, a, -1, hlo::ElementType::kF32), value);
       continue;
     }
     const auto& out = spec.outputs[r];
@@ -646,7 +659,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   auto compiled = std::make_unique<CompiledOp>();
   compiled->entry = &entry;
   compiled->name = schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
-  CallSpec spec = ComputeSpec(op, stack, first);
+  CallSpec spec = ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);
   ApplyResizes(spec, stack, first);
   compiled->resize_outputs = spec.resize_outputs;
   compiled->spec = spec;
