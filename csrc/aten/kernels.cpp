@@ -14,6 +14,10 @@
 #include <ATen/ops/unfold_native.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <vector>
 
 #include "aten/tpu.h"
@@ -252,8 +256,54 @@ at::Tensor CopyFromAndResize(const at::Tensor& self, const at::Tensor& dst) {
   return CopyFrom(self, dst, false);
 }
 
+// The host copy of one storage's current buffer, for element reads
+// (`for v in t`, `all(t)`, `t[i].item()` in a loop: one download, not one
+// per element). Valid while the storage holds the same PJRT buffer: buffers
+// are immutable and every write swaps in a new one, so a written storage
+// never matches; the weak reference neither keeps the buffer alive nor
+// blocks its donation. One storage at a time, at most kMaxHostCopyBytes.
+struct HostCopy {
+  const runtime::DeviceStorage* storage = nullptr;
+  std::weak_ptr<pjrt::Buffer> buffer;
+  std::vector<char> bytes;
+};
+constexpr size_t kMaxHostCopyBytes = size_t{64} << 20;
+std::mutex host_copy_mutex;
+HostCopy host_copy;
+std::atomic<int64_t> host_copy_hits{0};
+
+// One element of `self` (numel 1) read from the host copy of its storage,
+// or nullopt where that does not apply (conjugate/negative bits, a storage
+// typed with another element width, one over the bound).
+std::optional<at::Scalar> ElementFromHostCopy(const at::Tensor& self) {
+  if (self.is_conj() || self.is_neg() || at::isComplexType(self.scalar_type())) return std::nullopt;
+  auto& ds = StorageOf(self);
+  if (!ds.initialized() || ds.nbytes() > kMaxHostCopyBytes) return std::nullopt;
+  const runtime::StorageBuffer& cur = ds.Materialize(ds.current().element);
+  if (runtime::ElementSize(cur.element) != self.element_size()) return std::nullopt;
+  const size_t offset = static_cast<size_t>(self.storage_offset()) * self.element_size();
+  const size_t stored = static_cast<size_t>(cur.numel) * runtime::ElementSize(cur.element);
+  if (offset + self.element_size() > stored) return std::nullopt;
+  std::lock_guard<std::mutex> lock(host_copy_mutex);
+  if (host_copy.storage != &ds || host_copy.buffer.lock() != cur.buffer) {
+    host_copy.storage = nullptr;
+    host_copy.bytes.assign(stored, 0);
+    Runtime::Get().Download(cur, host_copy.bytes.data(), stored);
+    host_copy.storage = &ds;
+    host_copy.buffer = cur.buffer;
+  } else {
+    host_copy_hits.fetch_add(1, std::memory_order_relaxed);
+  }
+  at::Tensor element = at::empty({}, self.options().device(at::kCPU));
+  std::memcpy(element.data_ptr(), host_copy.bytes.data() + offset, self.element_size());
+  return element.item();
+}
+
 at::Scalar LocalScalarDense(const at::Tensor& self) {
-  // item() of any one-element tensor ([], [1], [1, 1], ...).
+  // item() of any one-element tensor ([], [1], [1, 1], ...). A sync point:
+  // earlier failures surface here, naming their op.
+  Runtime::Get().Sync();
+  if (auto v = ElementFromHostCopy(self)) return *v;
   at::Tensor host = at::empty(self.sizes(), self.options().device(at::kCPU));
   CopyFrom(self, host, false);
   return host.item();

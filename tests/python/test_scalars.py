@@ -109,3 +109,60 @@ def test_default_dtype_change_compiles_once_per_dtype():
             r32 = (a + 1.5).cpu()
         assert torch_tpu.metrics()["cache_misses"] == before
     assert r64.dtype == torch.float64 and r32.dtype == torch.float32
+
+
+# --- element reads: one transfer per storage buffer ---------------------------
+# _local_scalar_dense (csrc/aten/kernels.cpp) reads elements from a host copy
+# of the storage's current buffer, refreshed when the storage is written.
+
+
+def _transfers(fn):
+    m0 = torch_tpu.metrics()
+    out = fn()
+    m1 = torch_tpu.metrics()
+    return out, m1["device_to_host_bytes"] - m0["device_to_host_bytes"], m1["executions"] - m0["executions"]
+
+
+def test_iteration_and_all_cost_one_transfer():
+    n = 20000
+    cpu = torch.ones(n)
+    cpu[n // 2] = 0
+    t = cpu.to(TPU)
+    torch.tpu.synchronize()
+    r, nbytes, runs = _transfers(lambda: all(t))
+    assert r is all(cpu) is False
+    assert nbytes == 4 * n and runs == 0
+    vals, nbytes, runs = _transfers(lambda: [v.item() for v in t[:100]])
+    assert vals == cpu[:100].tolist() and nbytes == 0 and runs == 0
+    lst, nbytes, _ = _transfers(lambda: t.tolist())
+    assert lst == cpu.tolist() and nbytes == 4 * n
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_element_reads_see_every_write(mode):
+    cpu = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    with torch_tpu.eager_mode(mode):
+        t = cpu.to(TPU)
+        assert [int(v) for v in t[1]] == cpu[1].tolist()
+        t.add_(5)
+        cpu.add_(5)
+        assert [int(v) for v in t[1]] == cpu[1].tolist()
+        t[2, 3] = -7  # a write into a view
+        cpu[2, 3] = -7
+        assert t[2, 3].item() == -7 and [int(v) for v in t.flatten()] == cpu.flatten().tolist()
+        t.copy_(torch.full((3, 4), 9, dtype=torch.int32))  # a host-to-device buffer swap
+        assert t[0, 0].item() == 9
+        u = t * 2  # another storage
+        assert u[1, 1].item() == 18 and t[1, 1].item() == 9
+
+
+def test_element_reads_through_views_and_math_bits():
+    cpu = torch.tensor([1.5, -2.0, 3.25, 4.0])
+    t = cpu.to(TPU)
+    assert t.view(torch.int32)[1].item() == cpu.view(torch.int32)[1].item()
+    assert torch._neg_view(t)[2].item() == -3.25
+    assert t[::2][1].item() == 3.25 and t.flip(0)[0].item() == 4.0
+    b = torch.tensor([True, False, True], device=TPU)
+    assert [bool(v) for v in b] == [True, False, True]
+    h = torch.tensor([1.5, 2.5], dtype=torch.bfloat16, device=TPU)
+    assert [v.item() for v in h] == [1.5, 2.5]
