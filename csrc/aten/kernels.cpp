@@ -16,6 +16,10 @@
 #include <ATen/ops/view_as_real_native.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <vector>
 
 #include "aten/tpu.h"
@@ -111,15 +115,19 @@ void GrowStorage(const at::Tensor& self, size_t nbytes) {
 
 const at::Tensor& Resize(const at::Tensor& self, c10::IntArrayRef size,
                          std::optional<at::MemoryFormat> memory_format) {
-  runtime::FlushPendingWork();  // recorded ops saw the old metadata
+  TORCH_CHECK(!memory_format || *memory_format != at::MemoryFormat::Preserve, "Unsupported memory format",
+              *memory_format);
   auto* impl = self.unsafeGetTensorImpl();
+  // As resize_impl_cpu_: the same sizes keep the strides (a non-contiguous
+  // out= of the right shape stays a view: `ones(..., out=x.narrow(...))`).
+  if (self.sizes() == size && !memory_format) return self;
+  runtime::FlushPendingWork();  // recorded ops saw the old metadata
   int64_t numel = c10::multiply_integers(size);
   size_t nbytes = numel == 0 ? 0
                              : static_cast<size_t>(numel + self.storage_offset()) * self.dtype().itemsize();
   GrowStorage(self, nbytes);
   impl->set_sizes_contiguous(size);
-  if (memory_format && *memory_format != at::MemoryFormat::Preserve)
-    impl->empty_tensor_restride(*memory_format);
+  if (memory_format) impl->empty_tensor_restride(*memory_format);
   return self;
 }
 
@@ -260,11 +268,80 @@ at::Tensor CopyFromAndResize(const at::Tensor& self, const at::Tensor& dst) {
   return CopyFrom(self, dst, false);
 }
 
+// The host copy of one storage's current buffer, for element reads
+// (`for v in t`, `all(t)`, `t[i].item()` in a loop: one download, not one
+// per element). Valid while the storage holds the same PJRT buffer: buffers
+// are immutable and every write swaps in a new one, so a written storage
+// never matches; the weak reference neither keeps the buffer alive nor
+// blocks its donation. One storage at a time, at most kMaxHostCopyBytes.
+struct HostCopy {
+  const runtime::DeviceStorage* storage = nullptr;
+  std::weak_ptr<pjrt::Buffer> buffer;
+  std::vector<char> bytes;
+};
+constexpr size_t kMaxHostCopyBytes = size_t{64} << 20;
+std::mutex host_copy_mutex;
+HostCopy host_copy;
+std::atomic<int64_t> host_copy_hits{0};
+
+// One element of `self` (numel 1) read from the host copy of its storage,
+// or nullopt where that does not apply (conjugate/negative bits, a storage
+// typed with another element width, one over the bound).
+std::optional<at::Scalar> ElementFromHostCopy(const at::Tensor& self) {
+  if (self.is_conj() || self.is_neg() || at::isComplexType(self.scalar_type())) return std::nullopt;
+  auto& ds = StorageOf(self);
+  if (!ds.initialized() || ds.nbytes() > kMaxHostCopyBytes) return std::nullopt;
+  const runtime::StorageBuffer& cur = ds.Materialize(ds.current().element);
+  if (runtime::ElementSize(cur.element) != self.element_size()) return std::nullopt;
+  const size_t offset = static_cast<size_t>(self.storage_offset()) * self.element_size();
+  const size_t stored = static_cast<size_t>(cur.numel) * runtime::ElementSize(cur.element);
+  if (offset + self.element_size() > stored) return std::nullopt;
+  std::lock_guard<std::mutex> lock(host_copy_mutex);
+  if (host_copy.storage != &ds || host_copy.buffer.lock() != cur.buffer) {
+    host_copy.storage = nullptr;
+    host_copy.bytes.assign(stored, 0);
+    Runtime::Get().Download(cur, host_copy.bytes.data(), stored);
+    host_copy.storage = &ds;
+    host_copy.buffer = cur.buffer;
+  } else {
+    host_copy_hits.fetch_add(1, std::memory_order_relaxed);
+  }
+  at::Tensor element = at::empty({}, self.options().device(at::kCPU));
+  std::memcpy(element.data_ptr(), host_copy.bytes.data() + offset, self.element_size());
+  return element.item();
+}
+
 at::Scalar LocalScalarDense(const at::Tensor& self) {
-  // item() of any one-element tensor ([], [1], [1, 1], ...).
+  // item() of any one-element tensor ([], [1], [1, 1], ...). A sync point:
+  // earlier failures surface here, naming their op.
+  Runtime::Get().Sync();
+  if (auto v = ElementFromHostCopy(self)) return *v;
   at::Tensor host = at::empty(self.sizes(), self.options().device(at::kCPU));
   CopyFrom(self, host, false);
   return host.item();
+}
+
+// _has_compatible_shallow_copy_type(self, from): may `self` take `from`'s
+// TensorImpl fields in place (Variable::set_data, `param.data = t`)? This is
+// the question Module._apply asks (compute_should_use_set_data) before it
+// moves a Parameter: yes keeps the Parameter object (so tied weights stay
+// tied and an optimizer made earlier keeps its references), no makes a new
+// Parameter. TensorImpl::has_compatible_shallow_copy_type answers yes for
+// two dense tensors only when both backends are in a fixed list (CPU, CUDA,
+// MPS, HIP, XPU, HPU) — PrivateUse1 is not in it. This kernel gives the same
+// answer with tpu (PrivateUse1) added to that list; it is reached only when
+// one of the two tensors is on tpu (the dispatcher picks the highest
+// backend), so CPU and other devices keep PyTorch's own answer.
+bool HasCompatibleShallowCopyType(const at::Tensor& self, const at::Tensor& from) {
+  if (self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set())) return true;
+  auto dense = [](c10::DispatchKeySet ks) {
+    constexpr auto backends = c10::DispatchKeySet(
+        {c10::BackendComponent::CPUBit, c10::BackendComponent::CUDABit, c10::BackendComponent::MPSBit,
+         c10::BackendComponent::HIPBit, c10::BackendComponent::XPUBit, c10::BackendComponent::HPUBit,
+         c10::BackendComponent::PrivateUse1Bit});
+    return ks.has_any(c10::DispatchKeySet(c10::DispatchKey::Dense)) && ks.has_any(backends);
+  };
+  return dense(self.key_set()) && dense(from.key_set());
 }
 
 int64_t FusedSdpChoice(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -293,6 +370,14 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", CopyFromAndResize);
   m.impl("_local_scalar_dense", LocalScalarDense);
   m.impl("_fused_sdp_choice", FusedSdpChoice);
+  m.impl("_has_compatible_shallow_copy_type", HasCompatibleShallowCopyType);
+}
+
+// The op is CompositeImplicitAutograd; with a PrivateUse1 kernel the
+// AutogradPrivateUse1 entry would no longer take the composite, so the same
+// kernel serves it (the answer is a bool: nothing to differentiate).
+TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", HasCompatibleShallowCopyType);
 }
 
 // _copy_from(self, dst) has no alias annotation on dst, so PyTorch's

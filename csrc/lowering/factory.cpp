@@ -251,8 +251,8 @@ std::vector<Value> LowerLogspace(LoweringContext& ctx) {
 }  // namespace
 
 TORCH_TPU_LOWERINGS({
-    {"linspace", LowerLinspace, {.static_scalars = true}},
-    {"logspace", LowerLogspace, {.static_scalars = true}},
+    {"linspace", LowerLinspace, {.static_scalars = true, .out_resized_by_numel = true}},
+    {"logspace", LowerLogspace, {.static_scalars = true, .out_resized_by_numel = true}},
 });
 
 }  // namespace torch_tpu::lowering

@@ -1074,7 +1074,7 @@ TORCH_TPU_LOWERINGS({
     {"repeat", LowerRepeat},
     {"tril", LowerTril},
     {"triu", LowerTriu},
-    {"arange", LowerArange, {.static_scalars = true}},
+    {"arange", LowerArange, {.static_scalars = true, .out_resized_by_numel = true}},
     {"full", LowerFull},
     {"eye", LowerEye},
     {"sort", LowerSort},

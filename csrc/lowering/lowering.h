@@ -143,6 +143,11 @@ struct LoweringTraits {
   // instead of runtime inputs: for ops whose output shape depends on them
   // (arange).
   bool static_scalars = false;
+  // CPU's out= kernel resizes `out` only when its numel differs from the
+  // result's (linspace, logspace, arange: `if (result.numel() != n)
+  // result.resize_({n})`); an out of the right numel keeps its shape and
+  // strides and receives the values in its logical order.
+  bool out_resized_by_numel = false;
   std::vector<IndexCheck> index_checks;
   // The lowering computes complex (c64/c128) inputs and outputs with
   // PyTorch's complex semantics. Without it a call with a complex tensor

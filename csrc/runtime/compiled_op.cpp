@@ -42,7 +42,9 @@ bool OnTpu(const at::Tensor& t) { return t.device().type() == c10::DeviceType::P
 }
 
 // How a scalar reaches the program: floating scalars as f32 unless the call
-// has an f64 tensor (then f64), integers as s64, booleans as pred.
+// computes in f64 (CallHasF64: then f64, so Python floats keep their
+// precision and range, as CPU's double opmath does), integers as s64,
+// booleans as pred.
 hlo::ElementType ScalarElement(const c10::Scalar& s, bool has_f64) {
   if (s.isBoolean()) return hlo::ElementType::kPred;
   if (s.isIntegral(false)) return hlo::ElementType::kS64;
@@ -69,11 +71,26 @@ int64_t StorageNumel(const at::Tensor& t) {
   return static_cast<int64_t>(s.nbytes() / ElementSize(lowering::ToElementType(t.scalar_type())));
 }
 
-bool CallHasF64(const torch::jit::Stack& stack, size_t first, size_t n) {
-  for (size_t i = first; i < first + n; ++i) {
+bool IsScalarTypeArg(const c10::TypePtr& t) {
+  if (t->kind() == c10::TypeKind::ScalarTypeType) return true;
+  if (auto opt = t->cast<c10::OptionalType>()) return opt->getElementType()->kind() == c10::TypeKind::ScalarTypeType;
+  return false;
+}
+
+// Does the call compute in f64? A tpu f64 tensor of any rank (a 0-d one
+// too: `t64 - 1.0000000001` computes in f64 on CPU), a `dtype=float64`
+// argument (`full(..., dtype=float64)`), or float64 as the default dtype
+// (an integer tensor combined with a float then gives f64). CPU 0-d tensors
+// (wrapped Python numbers) do not count: they do not decide the dtype.
+bool CallHasF64(const std::vector<c10::Argument>& args, const torch::jit::Stack& stack, size_t first) {
+  if (c10::get_default_dtype_as_scalartype() == at::kDouble) return true;
+  for (size_t i = first; i < first + args.size(); ++i) {
     const auto& v = stack[i];
-    if (v.isTensor() && v.toTensor().defined() && v.toTensor().dim() > 0 &&
+    if (v.isTensor() && v.toTensor().defined() && (v.toTensor().dim() > 0 || OnTpu(v.toTensor())) &&
         (v.toTensor().scalar_type() == at::kDouble || v.toTensor().scalar_type() == at::kComplexDouble))
+      return true;
+    if (v.isInt() && IsScalarTypeArg(args[i - first].real_type()) &&
+        static_cast<at::ScalarType>(v.toInt()) == at::kDouble)
       return true;
     if (v.isTensorList())
       for (const auto& t : v.toTensorList())
@@ -172,7 +189,9 @@ void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack
                    const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& ids) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
-  bool has_f64 = CallHasF64(stack, first, args.size());
+  bool has_f64 = CallHasF64(args, stack, first);
+  // Ops read the default dtype (meta kernels, integer-to-float promotion).
+  atoms.push_back(static_cast<int64_t>(c10::get_default_dtype_as_scalartype()));
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = stack[first + i];
     if (v.isTensor()) {
@@ -288,7 +307,8 @@ bool DumpHlo() {
 
 }  // namespace
 
-CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first) {
+CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                     bool out_resized_by_numel) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   // CPU 0-d tensors stay on the CPU for type promotion; meta kernels that
@@ -298,6 +318,12 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
     meta_stack.clear();
     for (size_t i = 0; i < args.size(); ++i) {
       const c10::IValue& v = stack[first + i];
+      if (out_resized_by_numel && IsOutArg(args[i]) && v.isTensor() && v.toTensor().defined()) {
+        // An empty out: the meta kernel gives the natural output sizes
+        // (and does not warn about resizing a tensor CPU would keep).
+        meta_stack.push_back(at::empty({0}, v.toTensor().options().device(c10::kMeta)));
+        continue;
+      }
       meta_stack.push_back(attempt == 1 && v.isTensor() && v.toTensor().defined() && v.toTensor().is_cpu()
                                ? c10::IValue(ToMeta(v.toTensor()))
                                : ToMetaValue(v));
@@ -339,7 +365,9 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
     else spec.outputs.push_back({at::kFloat, {}});  // placeholder: the lowering's value is dropped
   }
   // out= tensors of other sizes are resized as PyTorch's resize_output does
-  // (before every launch that shares the key).
+  // (before every launch that shares the key); for `out_resized_by_numel`
+  // ops only when the numel differs (AddCall then writes the values in the
+  // out's logical order, keeping its shape and strides).
   for (size_t r = 0; r < returns.size(); ++r) {
     int16_t a = spec.return_alias[r];
     if (a < 0) continue;
@@ -348,6 +376,7 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
       if (std::find(out_args.begin(), out_args.end(), a) == out_args.end())
         throw UnsupportedOp("in-place result has sizes " + c10::str(spec.outputs[r].sizes) +
                             " but the tensor has " + c10::str(target.sizes()));
+      if (out_resized_by_numel && target.numel() == c10::multiply_integers(spec.outputs[r].sizes)) continue;
       spec.resize_outputs.emplace_back(a, spec.outputs[r].sizes);
     }
     spec.outputs[r].dtype = target.scalar_type();
@@ -476,7 +505,7 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   const std::string name = schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
-  bool has_f64 = CallHasF64(stack, first, args.size());
+  bool has_f64 = CallHasF64(args, stack, first);
   lowering::LoweringContext ctx(b, schema);
   auto slot = [&](InputSlot::Kind kind, int16_t arg, int16_t item, hlo::ElementType e) {
     InputSlot s;
@@ -582,9 +611,12 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
     int16_t a = spec.return_alias[r];
     if (!spec.defined[r]) continue;
     if (a >= 0) {
-      WriteTensor(stack[first + static_cast<size_t>(a)].toTensor(), slot(InputSlot::Kind::kStorage, a, -1,
-                                                                           hlo::ElementType::kF32),
-                  results[r]);
+      const at::Tensor& target = stack[first + static_cast<size_t>(a)].toTensor();
+      hlo::Value value = results[r];
+      // An out= kept at its shape (ComputeSpec, out_resized_by_numel).
+      if (value.dims() != target.sizes().vec() && value.type.numel() == target.numel() && target.numel() > 0)
+        value = b.Reshape(value, target.sizes().vec());
+      WriteTensor(target, slot(InputSlot::Kind::kStorage, a, -1, hlo::ElementType::kF32), value);
       continue;
     }
     const auto& out = spec.outputs[r];
@@ -631,7 +663,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   auto compiled = std::make_unique<CompiledOp>();
   compiled->entry = &entry;
   compiled->name = schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
-  CallSpec spec = ComputeSpec(op, stack, first);
+  CallSpec spec = ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);
   ApplyResizes(spec, stack, first);
   compiled->resize_outputs = spec.resize_outputs;
   compiled->spec = spec;
@@ -692,12 +724,17 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   return compiled;
 }
 
-void ScalarToBytes(const c10::Scalar& s, hlo::ElementType e, void* out) {
+// `checked`: Scalar arguments (alpha=1e300 into f32 raises, as on CPU);
+// CPU 0-d tensors (wrapped Python numbers) convert as CPU's TensorIterator
+// does, without a range check (`f32 * 1e300` is inf).
+void ScalarToBytes(const c10::Scalar& s, hlo::ElementType e, void* out, bool checked) {
   switch (e) {
     case hlo::ElementType::kPred: *static_cast<bool*>(out) = s.toBool(); break;
     case hlo::ElementType::kS64: *static_cast<int64_t*>(out) = s.toLong(); break;
     case hlo::ElementType::kS32: *static_cast<int32_t*>(out) = s.toInt(); break;
-    case hlo::ElementType::kF32: *static_cast<float*>(out) = s.toFloat(); break;
+    case hlo::ElementType::kF32:
+      *static_cast<float*>(out) = checked || !s.isFloatingPoint() ? s.toFloat() : static_cast<float>(s.toDouble());
+      break;
     case hlo::ElementType::kF64: *static_cast<double*>(out) = s.toDouble(); break;
     default: {
       // Other dtypes of CPU 0-d tensors: convert through a CPU tensor.
@@ -808,7 +845,7 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
       const c10::IValue& v = arg_of(s.call, s.arg);
       c10::Scalar scalar = v.isTensor() ? v.toTensor().item() : v.toScalar();
       alignas(16) char bytes[16] = {};
-      ScalarToBytes(scalar, s.element, bytes);
+      ScalarToBytes(scalar, s.element, bytes, /*checked=*/!v.isTensor());
       li.temps.push_back(rt.ScalarBuffer(bytes, s.element, li.device_index));
       li.buffers[i] = li.temps.back().get();
     } else if (s.kind == InputSlot::Kind::kRng) {

@@ -98,7 +98,8 @@ struct CompiledOp {
 };
 
 // Runs the op on meta tensors; throws UnsupportedOp if it cannot.
-CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first);
+CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                     bool out_resized_by_numel = false);
 void ApplyResizes(const CallSpec& spec, const torch::jit::Stack& stack, size_t first);
 
 // Builds one program from one or more ATen calls over tpu storages

@@ -42,6 +42,7 @@ struct RecordedCall {
   c10::OperatorHandle op;
   std::shared_ptr<const CompiledOp> eager;  // validated single-op program (spec, fallback)
   std::vector<c10::IValue> args;    // the call's arguments, kept alive until the flush
+  caffe2::TypeMeta default_dtype;   // torch.get_default_dtype() when recorded (lowerings read it)
 };
 
 // A storage created by the region: a new output tensor of call `call`.
@@ -113,8 +114,9 @@ class FusedExecutor {
     key_.push_back(reinterpret_cast<int64_t>(&op.schema()));
     AppendCallKey(op, *stack, first, entry, key_, ids_);
 
-    RecordedCall rc{op, eager, std::vector<c10::IValue>(stack->begin() + static_cast<std::ptrdiff_t>(first),
-                                                           stack->end())};
+    RecordedCall rc{op, eager,
+                    std::vector<c10::IValue>(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end()),
+                    c10::get_default_dtype()};
     // Returns: written arguments as they are, new tensors over pending
     // storages.
     std::vector<c10::IValue> returns;
@@ -267,8 +269,16 @@ class FusedExecutor {
   std::unique_ptr<CompiledRegion> Build(const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& alive) {
     ProgramBuilder pb;
     size_t next_created = 0;
+    // Each call is lowered under the default dtype it was recorded (and
+    // keyed) with: torch.set_default_dtype may have changed since.
+    const caffe2::TypeMeta default_dtype = c10::get_default_dtype();
+    struct RestoreDefault {
+      caffe2::TypeMeta dtype;
+      ~RestoreDefault() { c10::set_default_dtype(dtype); }
+    } restore{default_dtype};
     for (size_t c = 0; c < calls_.size(); ++c) {
       const RecordedCall& rc = calls_[c];
+      c10::set_default_dtype(rc.default_dtype);
       auto values = pb.AddCall(static_cast<int32_t>(c), rc.op, rc.args, 0, *rc.eager->entry, rc.eager->spec);
       for (size_t r = 0; r < values.size(); ++r) {
         if (!values[r]) continue;

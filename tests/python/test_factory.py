@@ -100,3 +100,50 @@ def test_logspace_tensor_overloads_and_out(start, end, steps, base, dtype):
 def test_logspace_default_base():
     with no_cpu_fallback():
         check_exact(torch.logspace(-1, 2, 7, device=TPU), torch.logspace(-1, 2, 7))
+
+
+# out= with any strides: CPU's linspace/logspace/arange kernels resize `out`
+# only when its numel differs, so a view of the right numel keeps its shape
+# and strides; resize_ to the same sizes keeps the strides (ones/zeros/full/
+# eye with out=). The expected tensor is the CPU base after the same call.
+OUT_VIEWS = {
+    "narrow_2d": ((3, 4), lambda x: x.narrow(1, 1, 2)),
+    "column": ((6, 2), lambda x: x[:, 1]),
+    "transposed": ((2, 3), lambda x: x.t()),
+    "transposed_row": ((6, 2), lambda x: x.t()[1]),
+}
+OUT_CALLS = {
+    "linspace": lambda o: torch.linspace(0, 1, 6, out=o),
+    "logspace": lambda o: torch.logspace(0, 1, 6, base=2.0, out=o),
+    "arange": lambda o: torch.arange(0, 6, out=o),
+    "arange_step": lambda o: torch.arange(1.0, 4.0, 0.5, out=o),
+    "ones": lambda o: torch.ones(o.shape, out=o),
+    "zeros": lambda o: torch.zeros(o.shape, out=o),
+    "full": lambda o: torch.full(o.shape, 2.5, out=o),
+}
+
+
+@pytest.mark.parametrize("view", list(OUT_VIEWS))
+@pytest.mark.parametrize("call", list(OUT_CALLS))
+def test_factory_out_with_strides_writes_cpu_elements(call, view):
+    shape, make_view = OUT_VIEWS[view]
+    base_cpu = torch.arange(1.0, shape[0] * shape[1] + 1.0).reshape(shape) * -1
+    base_tpu = base_cpu.to(TPU)
+    out_cpu, out_tpu = make_view(base_cpu), make_view(base_tpu)
+    r_cpu = OUT_CALLS[call](out_cpu)
+    with no_cpu_fallback():
+        r_tpu = OUT_CALLS[call](out_tpu)
+    assert r_tpu.shape == r_cpu.shape and r_tpu.stride() == r_cpu.stride()
+    assert out_tpu.shape == out_cpu.shape and out_tpu.stride() == out_cpu.stride()
+    check_exact(base_tpu, base_cpu)
+
+
+def test_factory_out_of_other_numel_is_resized_like_cpu():
+    # Wrong numel: out is resized to the result (contiguous), as on CPU.
+    for n in (4, 9):
+        base_cpu, base_tpu = torch.zeros(3, 4), torch.zeros(3, 4, device=TPU)
+        torch.linspace(0, 1, n, out=base_cpu.narrow(1, 1, 2))
+        out_tpu = base_tpu.narrow(1, 1, 2)
+        torch.linspace(0, 1, n, out=out_tpu)
+        assert out_tpu.shape == (n,) and out_tpu.stride() == (1,)
+        check_exact(base_tpu, base_cpu)

@@ -36,7 +36,7 @@ import _minilm  # noqa: E402  (the main job's model loader and sentences)
 import pytest
 import torch
 import torch_tpu  # noqa: F401
-from conftest import no_cpu_fallback
+from conftest import no_cpu_fallback, run_python
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -240,6 +240,36 @@ def test_accelerate_default_device_is_tpu_unless_cpu_requested():
         assert PartialState().device == torch.device("cpu")
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_accelerate_max_memory_lists_the_tpu_device():
+    # device_map="auto" sizes devices with accelerate's get_max_memory; on
+    # the CPU plugin (device memory = host memory) the current tpu device
+    # gets the host's available memory and no separate cpu budget.
+    from accelerate.utils import get_max_memory
+    from transformers.integrations.accelerate import get_max_memory as hf_get_max_memory
+
+    found = get_max_memory()
+    current = torch.tpu.current_device()
+    assert current in found and found[current] > 0
+    free, total = torch.tpu.mem_get_info(current)
+    assert 0 < found[current] <= total
+    if "device.bytes_limit" not in torch.tpu.memory_stats(current):
+        assert set(found) == {current}
+    assert current in hf_get_max_memory()
+    # A dict the user gives is accelerate's business, unchanged.
+    assert get_max_memory({"cpu": "1GB"}) == {"cpu": 10**9}
+
+
+def test_accelerate_imported_before_torch_tpu_is_patched_too():
+    code = (
+        "import accelerate.utils, transformers.integrations.accelerate as hf\n"
+        "import torch_tpu, torch\n"
+        "assert torch.tpu.current_device() in accelerate.utils.get_max_memory()\n"
+        "assert hf.accelerate_max_memory is accelerate.utils.get_max_memory\n"
+        "print('ok')\n")
+    r = run_python(code, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 
 class _Labelled(torch.utils.data.Dataset):

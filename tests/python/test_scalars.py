@@ -1,0 +1,168 @@
+"""Python scalars, global defaults and host reads behave as on CPU.
+
+- A Python float combined with a float64 computation keeps its double
+  precision and range (csrc/runtime/compiled_op.cpp ``CallHasF64``: a tpu
+  f64 tensor of any rank, ``dtype=float64``, or float64 as the default
+  dtype); elsewhere it is an f32 runtime input, converted like CPU's
+  TensorIterator converts a wrapped number (no range check: ``f32 * 1e300``
+  is inf) while a Scalar argument (``alpha``) is range-checked as on CPU.
+- ``torch.set_default_dtype`` is part of every call key (single op and fused
+  region), so a cached executable never keeps an old default.
+
+Every expected value is CPU PyTorch's on the same inputs, exact (integers,
+and float64 values that CPU computes exactly), in each eager mode.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch_tpu
+
+TPU = torch.device("tpu", 0)
+MODES = ["strict", "fused", "debug"]
+
+
+def _same(actual, expected):
+    assert actual.device == TPU
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=0, equal_nan=True)
+
+
+CASES = {
+    "f64_0d_minus_float": lambda d: torch.tensor(1.0000000001, dtype=torch.float64, device=d) - 1.0000000001,
+    "f64_0d_times_1e300": lambda d: torch.tensor(3., dtype=torch.float64, device=d) * 1e300,
+    "f64_1d_plus_float": lambda d: torch.tensor([1., 2.], dtype=torch.float64, device=d) + 1e-17,
+    "f64_0d_alpha": lambda d: torch.tensor(1., dtype=torch.float64, device=d).add(1.0, alpha=1.0000000001) - 2,
+    "f32_times_1e300_is_inf": lambda d: torch.ones(2, device=d) * 1e300,
+    "bf16_times_1e300_is_inf": lambda d: torch.ones(2, dtype=torch.bfloat16, device=d) * 1e300,
+    "f32_plus_f64_0d_is_f32": lambda d: torch.ones(2, device=d) + torch.tensor(1e-10, dtype=torch.float64, device=d),
+    "full_f64": lambda d: torch.full((3,), 1.0000000001, dtype=torch.float64, device=d) - 1,
+    "fill_f64_0d": lambda d: torch.empty((), dtype=torch.float64, device=d).fill_(1.0000000001) - 1,
+    "int_plus_big_int": lambda d: torch.tensor([1, -3], device=d) + (2 ** 62 + 1),
+    "int_times_float": lambda d: torch.tensor([1, 3], device=d) * 2.5,
+    "int32_plus_int_wraps": lambda d: torch.tensor([2 ** 31 - 1], dtype=torch.int32, device=d) + 1,
+    "uint8_plus_300": lambda d: torch.tensor([1, 250], dtype=torch.uint8, device=d) + 300,
+    "clamp_f64_0d": lambda d: torch.tensor(1.0, dtype=torch.float64, device=d).clamp(min=1.0000000001) - 1,
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_python_scalars_like_cpu(case, mode):
+    if mode == "debug" and case.endswith("_is_inf"):
+        # Debug mode's check: an Inf produced from finite inputs is an error.
+        with torch_tpu.eager_mode(mode), pytest.raises(RuntimeError, match="produced Inf from finite inputs"):
+            CASES[case](TPU)
+        return
+    expected = CASES[case](torch.device("cpu"))
+    with torch_tpu.eager_mode(mode):
+        actual = CASES[case](TPU)
+    _same(actual, expected)
+
+
+def test_alpha_out_of_range_for_f32_raises_like_cpu():
+    with pytest.raises(RuntimeError, match="overflow"):
+        torch.ones(2).add(1, alpha=1e300)
+    with pytest.raises(RuntimeError, match="overflow"):
+        torch.ones(2, device=TPU).add(1, alpha=1e300).cpu()
+
+
+def _under_default(dtype, fn):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return fn()
+    finally:
+        torch.set_default_dtype(old)
+
+
+DEFAULT_CASES = {
+    "int_plus_float": lambda d: torch.arange(3, device=d) + 1.0000000001,
+    "int_true_divide": lambda d: torch.tensor([1, 2], device=d) / 3,
+    "arange_float": lambda d: torch.arange(0., 1., 0.25, device=d),
+    "ones": lambda d: torch.ones(2, device=d),
+    "full_float": lambda d: torch.full((2,), 1.0000000001, device=d),
+    "int_sqrt": lambda d: torch.sqrt(torch.tensor([2, 3], device=d)),
+}
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("case", list(DEFAULT_CASES))
+def test_set_default_dtype_is_part_of_the_cache_key(case, mode):
+    fn = DEFAULT_CASES[case]
+    with torch_tpu.eager_mode(mode):
+        # f32, then f64, then f32 again: each time the same call, cached.
+        for dtype in (torch.float32, torch.float64, torch.float32, torch.float64):
+            expected = _under_default(dtype, lambda: fn(torch.device("cpu")))
+            actual = _under_default(dtype, lambda: fn(TPU))
+            _same(actual, expected)
+
+
+def test_default_dtype_change_compiles_once_per_dtype():
+    a = torch.arange(3, device=TPU)
+    with torch_tpu.eager_mode("strict"):
+        (a + 1.5).cpu()
+        _under_default(torch.float64, lambda: (a + 1.5).cpu())
+        before = torch_tpu.metrics()["cache_misses"]
+        for _ in range(3):
+            r64 = _under_default(torch.float64, lambda: (a + 1.5).cpu())
+            r32 = (a + 1.5).cpu()
+        assert torch_tpu.metrics()["cache_misses"] == before
+    assert r64.dtype == torch.float64 and r32.dtype == torch.float32
+
+
+# --- element reads: one transfer per storage buffer ---------------------------
+# _local_scalar_dense (csrc/aten/kernels.cpp) reads elements from a host copy
+# of the storage's current buffer, refreshed when the storage is written.
+
+
+def _transfers(fn):
+    m0 = torch_tpu.metrics()
+    out = fn()
+    m1 = torch_tpu.metrics()
+    return out, m1["device_to_host_bytes"] - m0["device_to_host_bytes"], m1["executions"] - m0["executions"]
+
+
+def test_iteration_and_all_cost_one_transfer():
+    n = 20000
+    cpu = torch.ones(n)
+    cpu[n // 2] = 0
+    t = cpu.to(TPU)
+    torch.tpu.synchronize()
+    r, nbytes, runs = _transfers(lambda: all(t))
+    assert r is all(cpu) is False
+    assert nbytes == 4 * n and runs == 0
+    vals, nbytes, runs = _transfers(lambda: [v.item() for v in t[:100]])
+    assert vals == cpu[:100].tolist() and nbytes == 0 and runs == 0
+    lst, nbytes, _ = _transfers(lambda: t.tolist())
+    assert lst == cpu.tolist() and nbytes == 4 * n
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_element_reads_see_every_write(mode):
+    cpu = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    with torch_tpu.eager_mode(mode):
+        t = cpu.to(TPU)
+        assert [int(v) for v in t[1]] == cpu[1].tolist()
+        t.add_(5)
+        cpu.add_(5)
+        assert [int(v) for v in t[1]] == cpu[1].tolist()
+        t[2, 3] = -7  # a write into a view
+        cpu[2, 3] = -7
+        assert t[2, 3].item() == -7 and [int(v) for v in t.flatten()] == cpu.flatten().tolist()
+        t.copy_(torch.full((3, 4), 9, dtype=torch.int32))  # a host-to-device buffer swap
+        assert t[0, 0].item() == 9
+        u = t * 2  # another storage
+        assert u[1, 1].item() == 18 and t[1, 1].item() == 9
+
+
+def test_element_reads_through_views_and_math_bits():
+    cpu = torch.tensor([1.5, -2.0, 3.25, 4.0])
+    t = cpu.to(TPU)
+    assert t.view(torch.int32)[1].item() == cpu.view(torch.int32)[1].item()
+    assert torch._neg_view(t)[2].item() == -3.25
+    assert t[::2][1].item() == 3.25 and t.flip(0)[0].item() == 4.0
+    b = torch.tensor([True, False, True], device=TPU)
+    assert [bool(v) for v in b] == [True, False, True]
+    h = torch.tensor([1.5, 2.5], dtype=torch.bfloat16, device=TPU)
+    assert [v.item() for v in h] == [1.5, 2.5]
