@@ -11,7 +11,10 @@ device type and:
 - with ``TORCH_TPU_SUITE_SAMPLE=N`` keeps the fixed 1/N of them whose
   device-independent name hashes to 0 (the runner's fast subset, the same
   tests on both devices); drops the node ids listed in the file
-  ``TORCH_TPU_SUITE_SKIP`` (tests already done before a crash);
+  ``TORCH_TPU_SUITE_SKIP`` (tests already done before a crash); does not run
+  the tests matching a pattern of the file ``TORCH_TPU_SUITE_DEFER`` (listed
+  as running over the time bound: the fast subset leaves them to the full
+  run) and logs them with outcome ``deferred``;
 - bounds every test by ``TORCH_TPU_SUITE_TIMEOUT`` seconds: SIGALRM raises a
   ``TimeoutError`` inside the test at that time, and if the test is stuck in
   native code that never returns to Python, ``faulthandler`` ends the whole
@@ -38,6 +41,7 @@ _LOG = os.environ.get("TORCH_TPU_SUITE_LOG")
 _SUFFIXES = tuple(x for x in os.environ.get("TORCH_TPU_SUITE_CLASS_SUFFIX", "").split(",") if x)
 _SKIP = os.environ.get("TORCH_TPU_SUITE_SKIP")
 _SAMPLE = int(os.environ.get("TORCH_TPU_SUITE_SAMPLE", "1"))
+_DEFER = os.environ.get("TORCH_TPU_SUITE_DEFER")
 _TIMEOUT = float(os.environ.get("TORCH_TPU_SUITE_TIMEOUT", "60"))
 _HARD_GRACE = float(os.environ.get("TORCH_TPU_SUITE_GRACE", "30"))
 
@@ -82,6 +86,16 @@ def pytest_collection_modifyitems(session, config, items):
         if item.nodeid in skip or not in_subset(normalize(item.nodeid), _SAMPLE):
             continue
         keep.append(item)
+    if _DEFER and os.path.exists(_DEFER):
+        import fnmatch
+
+        with open(_DEFER, encoding="utf-8") as f:
+            patterns = [line.strip() for line in f if line.strip()]
+        deferred = [i for i in keep if any(fnmatch.fnmatchcase(i.nodeid, p) for p in patterns)]
+        for i in deferred:
+            _write({"nodeid": i.nodeid, "outcome": "deferred", "duration": 0.0,
+                    "message": "listed as over the time bound; run by the full subset (make test-full)"})
+        keep = [i for i in keep if i not in deferred]
     kept = set(id(i) for i in keep)
     deselected = [i for i in items if id(i) not in kept]
     if deselected:

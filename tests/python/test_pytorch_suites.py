@@ -142,3 +142,18 @@ def test_checked_in_expected_failures_parse_and_doc_is_generated():
     assert doc.startswith("# PyTorch's device-generic suites on `tpu`")
     for fname in ps.FILES:
         assert f"| {fname} |" in doc
+
+
+def test_fast_subset_defers_listed_slow_tests(tmp_path):
+    """Tests listed as over the time bound are not run by the fast subset on tpu
+    (logged as deferred, still a listed failure in the comparison)."""
+    suites = tmp_path / "suites"
+    suites.mkdir()
+    (suites / "test_toy.py").write_text(SUITE)
+    out = tmp_path / "out"
+    out.mkdir()
+    run = ps.run_file("test_toy.py", "tpu", out, 1, timeout_s=3, suites_dir=suites,
+                      defer=["test_toy.py::*::test_hangs_on_tpu_tpu", "test_toy.py::*::test_crashes_*"])
+    got = _outcomes(run)
+    assert got["test_hangs_on_tpu_tpu"] == "deferred" and got["test_crashes_on_tpu_tpu"] == "deferred"
+    assert got["test_add_tpu"] == "passed" and run["restarts"] == 0
