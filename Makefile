@@ -1,7 +1,10 @@
 # torch_tpu: set-up, build, main job and tests.
 #
 #   make run    create .venv, install dependencies, build, run the main job
-#   make test   same set-up, then every test: CTest (C++) and pytest (Python)
+#   make test   same set-up, then every test: CTest (C++), pytest (Python) and
+#               PyTorch's device-generic suites (tools/pytorch_suites.py, a
+#               fixed fast subset of each file, cpu vs tpu)
+#   make test-full  the same with the suites' every test (docs/pytorch_suites.md)
 #   make bench  same set-up, then every benchmarks/*.py
 #   make clean  remove the build directory (make distclean: also .venv)
 #
@@ -37,20 +40,31 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
 APT_PACKAGES := ccache libgtest-dev ninja-build cmake g++
 
-.PHONY: run test test-cpp test-python bench setup sysdeps deps build clean distclean
+.PHONY: run test test-full test-cpp test-python test-suites bench setup sysdeps deps build clean distclean
 
 run: build
 	$(PY) examples/minilm_main.py $(ARGS)
 
-# Both suites always run; the target fails if either failed.
+# fast: a fixed 1/N of each PyTorch suite file (make test); full: all (make test-full).
+SUITES ?= fast
+
+# Every suite always runs; the target fails if any failed.
 test: build
 	@rc=0; \
 	echo "== C++ tests (ctest) =="; \
 	ctest --test-dir $(BUILD_DIR) --output-on-failure --no-tests=error || rc=1; \
 	echo "== Python tests (pytest) =="; \
 	$(PY) -m pytest -q tests/python || rc=1; \
+	echo "== PyTorch's device-generic suites, cpu vs tpu ($(SUITES) subset) =="; \
+	$(PY) tools/pytorch_suites.py --subset $(SUITES) || rc=1; \
 	if [ $$rc -ne 0 ]; then echo "make test: FAILED (see above)"; fi; \
 	exit $$rc
+
+test-full:
+	$(MAKE) test SUITES=full
+
+test-suites: build
+	$(PY) tools/pytorch_suites.py --subset $(SUITES)
 
 test-cpp: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure --no-tests=error

@@ -147,6 +147,11 @@ void ExpandMaskIndices(const c10::OperatorHandle& op, torch::jit::Stack* stack) 
       ++dim;
       continue;
     }
+    if (mask.scalar_type() == at::kByte) {
+      // ATen's expandTensors (aten/src/ATen/native/IndexingUtils.h) warns on
+      // every uint8 mask it expands; this replaces that step for tpu.
+      TORCH_WARN("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool instead.");
+    }
     for (int64_t j = 0; j < mask.dim(); ++j) {
       const int64_t d = dim + j;
       TORCH_CHECK_INDEX(d < self.dim() && mask.size(j) == self.size(d), "The shape of the mask ", mask.sizes(),

@@ -284,8 +284,14 @@ Value ReinterpretFlat(Builder& b, const Value& flat, ElementType to) {
   }
   auto bytes = [](ElementType t) { return std::max(1, hlo::BitWidth(t) / 8); };
   if (from == ElementType::kPred || to == ElementType::kPred) {
-    if (bytes(from) != 1 || bytes(to) != 1) throw LoweringError("cannot reinterpret bool storage elements");
-    return CastElement(b, flat, to);  // bool <-> one-byte integers: 0/1
+    // A bool element is one byte holding 0 or 1 (as PyTorch stores it): bool
+    // <-> u8 is a 0/1 cast, and wider types go through those bytes.
+    if (from == ElementType::kPred) {
+      Value bytes_u8 = CastElement(b, flat, ElementType::kU8);
+      return to == ElementType::kU8 ? bytes_u8 : ReinterpretFlat(b, bytes_u8, to);
+    }
+    Value bytes_u8 = bytes(from) == 1 ? flat : ReinterpretFlat(b, flat, ElementType::kU8);
+    return CastElement(b, bytes_u8, ElementType::kPred);
   }
   const int64_t n = flat.dims()[0];
   const int bf = bytes(from), bt = bytes(to);

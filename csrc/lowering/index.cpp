@@ -672,6 +672,13 @@ AdvancedIndex BuildAdvancedIndex(LoweringContext& ctx, const Value& self, const 
     first = false;
   }
   if (ai.positions.empty()) throw LoweringError(ctx.op_name() + ": no index tensors");
+  // Any index into a dimension of size 0 is out of bounds; a gather cannot
+  // even be built. The CPU fallback raises PyTorch's IndexError ("index 0 is
+  // out of bounds for dimension with size 0").
+  if (Numel(batch) > 0)
+    for (int64_t p : ai.positions)
+      if (self.dims()[static_cast<size_t>(p)] == 0)
+        throw LoweringError(ctx.op_name() + ": index into a dimension of size 0");
   ai.batch = batch;
   std::vector<int64_t> col = batch;
   col.push_back(1);

@@ -143,6 +143,23 @@ def test_dtype_views_of_other_widths(dtype, view_dtype):
     _assert_same(tpu, cpu)
 
 
+@pytest.mark.parametrize("view_dtype", [torch.int16, torch.float32, torch.int64, torch.uint8, torch.int8])
+def test_bool_storage_views_of_other_widths(view_dtype):
+    """bool storages reinterpret like CPU's: each bool is a 0/1 byte."""
+    cpu = (torch.arange(32) % 3 == 0)
+    tpu = cpu.to("tpu")
+    _assert_same(tpu.view(view_dtype), cpu.view(view_dtype))
+    _assert_same(tpu.view(view_dtype).view(torch.bool), cpu)
+    # the other direction: bytes of 0/1 read as bool
+    src = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1], dtype=torch.uint8).view(view_dtype)
+    _assert_same(src.to("tpu").view(torch.bool), src.view(torch.bool))
+    # write through the reinterpreted view (values whose bytes are 0/1), read back as bool
+    ones = torch.ones(1, dtype=torch.uint8).expand(torch._utils._element_size(view_dtype)).clone().view(view_dtype)
+    cpu.view(view_dtype)[1:3] = ones
+    tpu.view(view_dtype)[1:3] = ones.to("tpu")
+    _assert_same(tpu, cpu)
+
+
 # --- conjugate and negative bits (x.conj(), torch._neg_view) ----------------
 
 def _complex_pair(*shape):
