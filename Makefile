@@ -130,3 +130,18 @@ clean:
 
 distclean: clean
 	rm -rf $(VENV)
+
+# Serving (vLLM on tpu, docs/serving.md): vLLM's runtime dependencies, pinned
+# and constrained by requirements.txt so torch and transformers stay put, then
+# vLLM itself with --no-deps (its wheel pins transformers<5.20). Behind its own
+# stamp; an extra prerequisite of build, so run/test/bench all have it.
+SERVING_STAMP := $(VENV)/.serving-installed
+$(SERVING_STAMP): $(DEPS_STAMP) requirements-serving.txt requirements-vllm.txt
+	$(PIP) install $(PIP_FLAGS) -c requirements.txt -r requirements-serving.txt
+	$(PIP) install $(PIP_FLAGS) --no-deps -r requirements-vllm.txt
+	@$(PY) -c 'import importlib.metadata as m, sys; \
+	  t, h = m.version("torch"), m.version("transformers"); \
+	  sys.exit(0 if (t.split("+")[0], h) == ("2.13.0", "5.24.0") else \
+	    f"serving deps moved torch {t} / transformers {h}")'
+	@touch $@
+build: $(SERVING_STAMP)

