@@ -6,6 +6,13 @@ writes docs/op_coverage.md.
     python tools/op_coverage.py --full         # every sample, dtype and mode
     python tools/op_coverage.py --ops add,mm   # only these OpInfos (names or regexes)
     python tools/op_coverage.py --report-only  # rewrite the report from the last results
+    python tools/op_coverage.py --error-inputs [--full]  # only the OpInfos' error_inputs: rewrites
+                                               # the "error_inputs" section of the report in place
+
+Each OpInfo's error_inputs (invalid inputs CPU rejects) run after its
+samples (opinfo_harness.error_plan: fast subset, or every ErrorInput in strict
+and debug mode with --full); their outcomes have phase "error" and are
+counted in their own section of the report.
 
 The OpInfos run in a worker process that appends one JSON line per outcome
 to a results file (--results). A worker that dies (segfault, abort) or stalls
@@ -34,6 +41,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
 
 DEFAULT_RESULTS = os.path.join(ROOT, "build", "opinfo_results.jsonl")
 DEFAULT_OUTPUT = os.path.join(ROOT, "docs", "op_coverage.md")
+DEFAULT_ERROR_RESULTS = os.path.join(ROOT, "build", "opinfo_error_results.jsonl")
 
 try:
     from tqdm import tqdm
@@ -80,9 +88,13 @@ def worker_main(args) -> int:
         op = H.find_op(name)
         emit({"type": "op_start", "op": name})
         try:
-            for outcome in H.run_op(op, H.plan(op, args.full), max_samples=max_samples, skip_keys=skip_keys,
-                                    on_start=on_start, trace=True):
-                emit({"type": "outcome", **outcome.__dict__})
+            if not args.error_inputs:
+                for outcome in H.run_op(op, H.plan(op, args.full), max_samples=max_samples, skip_keys=skip_keys,
+                                        on_start=on_start, trace=True):
+                    emit({"type": "outcome", **outcome.__dict__})
+            for mode, limit in H.error_plan(op, args.full):
+                for outcome in H.run_error_inputs(op, (mode,), skip_keys=skip_keys, on_start=on_start, limit=limit):
+                    emit({"type": "outcome", **outcome.__dict__})
         except Exception as e:  # noqa: BLE001 - harness bug: record and go on
             emit({"type": "outcome", **H.Outcome(name, "*", "*", "*", -1, "fail", H.first_line(e),
                                                  "harness error").__dict__})
@@ -113,6 +125,10 @@ def read_records(path: str) -> list[dict]:
 
 def repro_command(key, full: bool) -> str:
     op, dtype, mode, phase, sample = key
+    if phase == "error":
+        return (f"python -c \"import sys; sys.path.insert(0, 'tests/python'); import opinfo_harness as H; "
+                f"op = H.find_op('{op}'); c = [c for c in H.generate_error_cases(op)[0] if c.index == {sample}][0]; "
+                f"print(H.run_error_case(op, c, '{mode}'))\"")
     return (f"python -c \"import sys; sys.path.insert(0, 'tests/python'); import torch, opinfo_harness as H; "
             f"op = H.find_op('{op}'); s = H.generate_samples(op, torch.{dtype}, {phase == 'bwd'}, "
             f"{sample + 1})[{sample}]; print(H.run_sample(op, s, {sample}, torch.{dtype}, '{mode}', '{phase}'))\"")
@@ -148,6 +164,7 @@ def run_workers(names: list[str], args) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--worker-ops", ops_path,
                "--worker-skip", skip_path, "--results", args.results, "--max-cached", str(args.max_cached)]
         cmd += ["--full"] if args.full else []
+        cmd += ["--error-inputs"] if args.error_inputs else []
         if args.nice:
             cmd = ["nice", "-n", str(args.nice)] + cmd
         log = open(os.path.join(state_dir, f"worker{restarts}.log"), "w")
@@ -277,6 +294,10 @@ def write_report(args) -> dict:
     records = read_records(args.results)
     outcomes = latest_outcomes(records)
     meta = next((r for r in records if r.get("type") == "meta"), {})
+    error_outcomes = {k: o for k, o in outcomes.items() if o["phase"] == H.ERROR_PHASE}
+    outcomes = {k: o for k, o in outcomes.items() if o["phase"] != H.ERROR_PHASE}
+    if args.error_inputs:
+        return splice_error_section(args, error_section(error_outcomes, meta))
     # The lowerings of the build that ran (the library may have grown since).
     lowered = set(meta["lowered_ops"]) if meta.get("lowered_ops") else H.lowered_names()
 
@@ -552,6 +573,8 @@ def write_report(args) -> dict:
                 w(f"  `{o['repro']}`")
         w("")
 
+    L.extend(error_section(error_outcomes, meta))
+
     w("## Slowest to compile")
     w("")
     w("Compile seconds per OpInfo (sum of `torch_tpu.metrics()[\"compile_time_s\"]` deltas over its samples, "
@@ -631,6 +654,113 @@ def write_report(args) -> dict:
     return summary
 
 
+ERROR_BEGIN = "<!-- error_inputs: begin (tools/op_coverage.py --error-inputs rewrites this section) -->"
+ERROR_END = "<!-- error_inputs: end -->"
+
+
+def error_section(outcomes: dict, meta: dict) -> list[str]:
+    """The report's "error_inputs" section (between ERROR_BEGIN/ERROR_END)."""
+    import opinfo_harness as H
+
+    L = [ERROR_BEGIN]
+    w = L.append
+    w("## error_inputs: invalid inputs that CPU rejects")
+    w("")
+    if not outcomes:
+        w("Not run in this report's run.")
+        w("")
+        w(ERROR_END)
+        return L
+    modes = sorted({o["mode"] for o in outcomes.values()})
+    w(f"From `tools/op_coverage.py{' --full' if meta.get('full') else ''}"
+      f"{' --error-inputs' if meta.get('error_inputs') else ''}` on {meta.get('date', '?')}, "
+      f"modes {', '.join(modes)}.")
+    w("")
+    w("Every OpInfo's `error_inputs(device)` (PyTorch's own invalid inputs, each with the exception type and "
+      "the message regex PyTorch raises: what `test_ops.py::test_errors` asserts on each device), run by "
+      "`opinfo_harness.run_error_case`: each ErrorInput generated for `\"cpu\"` is first checked on CPU (CPU "
+      "must raise the declared type with a matching message, else the case is a *skip*), then its tensors "
+      "are copied to tpu keeping their layout (views of one storage stay views of one storage, expanded "
+      "tensors stay expanded) and the call, the copy of its result to the host and a synchronize() run "
+      "inside the expectation: in strict mode an error that needs device values surfaces at that sync "
+      "point. *pass*: tpu raised the same exception type with a message matching the regex (or the regex "
+      "PyTorch declares for a non-CPU device for the same sample, generated with `error_inputs(\"tpu\")`); "
+      "ErrorInputs that only exist for a non-CPU device (a CPU tensor mixed into a tpu call) run as "
+      "generated. *fail*: *no error* (tpu returned a value), *wrong exception type*, *message differs*. "
+      "Passes counted \"via CPU fallback\" raised from an op that ran on the CPU (no lowering, or a call "
+      "whose written tensor overlaps another argument, which runs on a CPU mirror of the same layout). "
+      "`error_inputs_sparse` is not run: sparse layouts are not supported on tpu "
+      "(OpInfos with sparse error inputs: `mul`, `sum`, `zeros_like`, `randn_like`).")
+    w("")
+    by_mode = collections.defaultdict(collections.Counter)
+    via_fallback = collections.Counter()
+    fails = []
+    skips = collections.Counter()
+    for o in outcomes.values():
+        by_mode[o["mode"]][o["status"]] += 1
+        if o["status"] == "fail":
+            by_mode[o["mode"]][o.get("category") or "fail"] += 1
+            fails.append(o)
+        if o["status"] == "pass" and o.get("fallbacks"):
+            via_fallback[o["mode"]] += 1
+        if o["status"] == "skip":
+            skips[shorten_reason(o["reason"])] += 1
+    n_ops = len({o["op"] for o in outcomes.values()})
+    w(f"### Totals ({n_ops} OpInfos with error_inputs)")
+    w("")
+    w("| mode | pass | of which via CPU fallback | fail | no error | wrong exception type | message differs | "
+      "skip |")
+    w("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for m in modes:
+        c = by_mode[m]
+        w(f"| {m} | **{c['pass']} / {c['pass'] + c['fail']} = {pct(c['pass'], c['pass'] + c['fail'])}** | "
+          f"{via_fallback[m]} | {c['fail']} | {c['no error']} | {c['wrong exception type']} | "
+          f"{c['message differs']} | {c['skip']} |")
+    w("")
+    if fails:
+        w("### Failing error inputs")
+        w("")
+        w("Expected failures (`opinfo_harness.ERROR_EXPECTED_FAILURES`, xfail in tests/python/test_opinfo.py) "
+          "give the reason: mostly checks a lowering cannot make cheaply.")
+        w("")
+        w("| OpInfo | mode | error input | cause | reason | expected failure |")
+        w("|---|---|---:|---|---|---|")
+        for o in sorted(fails, key=lambda o: (o["op"], o["sample"], o["mode"])):
+            why = H.expected_error_failure(o["op"], o["mode"], o["sample"]) or ""
+            w(f"| `{o['op']}` | {o['mode']} | {o['sample']} | {o.get('category')} | {md_escape(o['reason'][:300])} | "
+              f"{md_escape(why)} |")
+        w("")
+    if skips:
+        w("### Skipped error inputs")
+        w("")
+        w("| reason | count |")
+        w("|---|---:|")
+        for r, c in skips.most_common():
+            w(f"| {md_escape(r)} | {c} |")
+        w("")
+    w(ERROR_END)
+    return L
+
+
+def splice_error_section(args, section: list[str]) -> dict:
+    """Replaces the error_inputs section of an existing report (or adds it
+    before "## Slowest to compile")."""
+    text = open(args.output).read() if os.path.exists(args.output) else ""
+    block = "\n".join(section)
+    if ERROR_BEGIN in text and ERROR_END in text:
+        head, rest = text.split(ERROR_BEGIN, 1)
+        text = head + block + rest.split(ERROR_END, 1)[1]
+    elif "## Slowest to compile" in text:
+        head, rest = text.split("## Slowest to compile", 1)
+        text = head + block + "\n\n## Slowest to compile" + rest
+    else:
+        text = text + ("\n" if text else "") + block + "\n"
+    os.makedirs(os.path.dirname(args.output), exist_ok=True)
+    with open(args.output, "w") as f:
+        f.write(text)
+    return {"error_section": True}
+
+
 def print_expected_failures(args) -> None:
     """Prints EXPECTED_FAILURES entries (opinfo_harness.py) for every
     (OpInfo, dtype, mode, phase) with a failing sample in the results; mode
@@ -653,14 +783,15 @@ def print_expected_failures(args) -> None:
 # ---------------------------------------------------------------------------
 
 
-def select_ops(patterns: str | None) -> list[str]:
+def select_ops(patterns: str | None, error_inputs_only: bool = False) -> list[str]:
     import opinfo_harness as H
 
     names = []
     seen = set()
     for op in H.op_db():
         name = H.full_name(op)
-        if name in seen or not H.tested_dtypes(op):
+        wanted = H.has_error_inputs(op) if error_inputs_only else (H.tested_dtypes(op) or H.has_error_inputs(op))
+        if name in seen or not wanted:
             continue
         seen.add(name)
         names.append(name)
@@ -687,10 +818,15 @@ def main(argv=None) -> int:
                         help="use the normal on-disk executable cache (compile times then measure cache loads)")
     parser.add_argument("--print-xfail", action="store_true",
                         help="print EXPECTED_FAILURES entries for the failures in --results and exit")
+    parser.add_argument("--error-inputs", action="store_true",
+                        help="run only the OpInfos' error_inputs (results in build/opinfo_error_results.jsonl "
+                             "unless --results) and rewrite only the report's error_inputs section")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-ops", help=argparse.SUPPRESS)
     parser.add_argument("--worker-skip", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.error_inputs and args.results == DEFAULT_RESULTS:
+        args.results = DEFAULT_ERROR_RESULTS
     if args.worker:
         return worker_main(args)
     if args.print_xfail:
@@ -701,12 +837,12 @@ def main(argv=None) -> int:
     import torch_tpu
 
     if not args.report_only:
-        names = select_ops(args.ops)
+        names = select_ops(args.ops, args.error_inputs)
         os.makedirs(os.path.dirname(args.results), exist_ok=True)
         if not args.resume and os.path.exists(args.results):
             os.remove(args.results)
         with open(args.results, "a") as f:
-            f.write(json.dumps({"type": "meta", "full": args.full, "ops": args.ops,
+            f.write(json.dumps({"type": "meta", "full": args.full, "ops": args.ops, "error_inputs": args.error_inputs,
                                 "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
                                 "platform": torch_tpu._C.platform_name() if hasattr(torch_tpu._C, "platform_name")
                                 else "?", "lowered_ops": sorted(torch_tpu._C.lowered_ops())}) + "\n")
@@ -714,6 +850,9 @@ def main(argv=None) -> int:
         run_workers(names, args)
         print(f"ran {len(names)} OpInfos in {time.time() - t0:.0f}s; results in {args.results}")
     summary = write_report(args)
+    if args.error_inputs:
+        print(f"wrote the error_inputs section of {args.output}")
+        return 0
     print(f"wrote {args.output}: core ATen ops lowered natively {summary['core_native']}/{summary['core_total']}, "
           f"strict samples passing {summary['lowered_pass']}/{summary['lowered_counted']} (fully lowered samples), "
           f"{summary['strict_pass']}/{summary['strict_counted']} (all in-scope samples) "

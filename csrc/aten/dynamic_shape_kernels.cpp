@@ -37,6 +37,7 @@
 //    O(log(columns)) sorts instead of one per column.
 //  - equal(a, b): false if the sizes differ, else all(a == b) (type
 //    promotion as eq; NaN is unequal to itself).
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/WrapDimUtils.h>
@@ -99,6 +100,12 @@ at::Tensor MaskedSelect(const at::Tensor& self, const at::Tensor& mask) {
 }
 
 at::Tensor& MaskedSelectOut(const at::Tensor& self, const at::Tensor& mask, at::Tensor& out) {
+  // CPU's masked_select_out checks (the same messages).
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "masked_select: expected BoolTensor for mask");
+  TORCH_CHECK(self.scalar_type() == out.scalar_type(), "masked_select(): self and result must have the same scalar type");
+  at::assert_no_internal_overlap(out);
+  at::assert_no_overlap(out, self);
+  at::assert_no_overlap(out, mask);
   at::Tensor r = MaskedSelect(self, mask);
   at::native::resize_output(out, r.sizes());
   out.copy_(r);
@@ -236,6 +243,14 @@ at::Tensor Take(const at::Tensor& self, const at::Tensor& index) {
 }
 
 at::Tensor& TakeOut(const at::Tensor& self, const at::Tensor& index, at::Tensor& out) {
+  // CPU's take_out checks (the same messages).
+  TORCH_CHECK(out.device() == self.device(), "take(): self and out expected to be in the same device, but got self.device = ",
+              self.device(), " and out.device = ", out.device());
+  TORCH_CHECK(out.scalar_type() == self.scalar_type(), "take(): self and out expected to have the same dtype, but got self.dtype = ",
+              self.scalar_type(), " and out.dtype = ", out.scalar_type());
+  at::assert_no_internal_overlap(out);
+  at::assert_no_overlap(out, index);
+  at::assert_no_overlap(out, self);
   at::Tensor r = Take(self, index);
   at::native::resize_output(out, r.sizes());
   out.copy_(r);

@@ -351,6 +351,29 @@ void RunOnCpuMirror(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
+// True if a written tpu argument shares its storage with another tpu tensor
+// argument (out= aliasing an input, views of one base): such a call that
+// cannot run natively runs on a CPU mirror that keeps the sharing, so CPU's
+// overlap checks ("some elements of the input tensor and the written-to
+// tensor refer to a single memory location") and aliasing semantics apply;
+// cpu_fallback copies each argument on its own.
+bool WritesSharedStorage(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack.size() - args.size();
+  std::vector<std::pair<const void*, bool>> seen;  // storage, written
+  for (size_t i = 0; i < args.size(); ++i) {
+    const bool write = IsWrittenArg(args[i]);
+    ForEachTensor(stack[first + i], [&](const at::Tensor& t) {
+      if (t.defined() && t.device().type() == kTpu && t.has_storage())
+        seen.emplace_back(t.storage().unsafeGetStorageImpl(), write);
+    });
+  }
+  for (size_t a = 0; a < seen.size(); ++a)
+    for (size_t b = a + 1; b < seen.size(); ++b)
+      if (seen[a].first == seen[b].first && (seen[a].second || seen[b].second)) return true;
+  return false;
+}
+
 void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (AnyMathBits(op, *stack)) return RunResolvingMathBits(op, stack);
   if (WritesOverlappingTensor(op, *stack)) return RunOnCpuMirror(op, stack);
@@ -363,6 +386,7 @@ void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   try {
     runtime::RunOp(op, stack, *entry);
   } catch (const runtime::UnsupportedOp& e) {
+    if (WritesSharedStorage(op, *stack)) return RunOnCpuMirror(op, stack);
     RunOnCpu(op, stack, e.what());
   }
 }

@@ -215,6 +215,10 @@ std::vector<Value> LowerConvolution(LoweringContext& ctx) {
     throw LoweringError(ctx.op_name() + ": expects batched input with a weight of the same rank");
   const size_t nsp = static_cast<size_t>(x.rank() - 2);
   ConvParams p = ReadParams(ctx, nsp);
+  // CPU's argument checks (ConvParams in aten/src/ATen/native/Convolution.cpp), same messages.
+  for (int64_t v : p.padding) TORCH_CHECK(v >= 0, "negative padding is not supported");
+  for (int64_t v : p.stride) TORCH_CHECK(v > 0, "non-positive stride is not supported");
+  for (int64_t v : p.dilation) TORCH_CHECK(v > 0, "dilation should be greater than zero");
   if (x.type.numel() == 0 || Numel(out.sizes) == 0) return {Const(b, acc, 0, out.sizes)};
   Value y;
   if (p.transposed) {

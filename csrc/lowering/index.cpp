@@ -257,6 +257,16 @@ std::vector<Value> IndexAlongDim(LoweringContext& ctx, bool add) {
   at::ScalarType acc = add ? OpMathType(t) : t;
   Value self = Cast(b, ctx.tensor("self"), acc);
   Value index = ctx.tensor("index");
+  if (add) {
+    // CPU's index_add check (aten/src/ATen/native/TensorAdvancedIndexing.cpp), same message.
+    std::vector<int64_t> ss = self.dims(), rs = ctx.tensor("source").dims();
+    const int64_t d = NormalizeDim(ctx.int_arg("dim"), std::max<int64_t>(self.rank(), 1));
+    if (!ss.empty()) ss.erase(ss.begin() + d);
+    if (!rs.empty() && d < static_cast<int64_t>(rs.size())) rs.erase(rs.begin() + d);
+    TORCH_CHECK(self.rank() == 0 || ctx.tensor("source").rank() == 0 || ss == rs,
+                "source tensor shape must match self tensor shape, excluding the specified dimension. Got self.shape = ",
+                c10::IntArrayRef(self.dims()), " source.shape = ", c10::IntArrayRef(ctx.tensor("source").dims()));
+  }
   const int64_t k = index.type.numel();
   if (k == 0) return {Out(b, self, out)};
   const bool scalar_self = self.rank() == 0;
@@ -795,6 +805,8 @@ std::vector<Value> LowerIndexPut(LoweringContext& ctx) {
 // the broadcast mask takes source.flatten()[i].
 std::vector<Value> LowerMaskedScatter(LoweringContext& ctx) {
   auto& b = ctx.b;
+  TORCH_CHECK(ctx.arg("mask").dtype == at::kBool, "masked_scatter_ only supports boolean masks, but got mask with dtype ",
+              ctx.arg("mask").dtype);  // CPU's check, same message
   const auto& out = ctx.outputs[0];
   Value self = Cast(b, ctx.tensor("self"), out.dtype);
   self = Fit(b, self, out.sizes);
@@ -1057,10 +1069,10 @@ std::vector<Value> LowerTopk(LoweringContext& ctx) {
 TORCH_TPU_LOWERINGS({
     {"index_select", LowerIndexSelect, {.index_checks = {{"index", "self", "dim"}}}},
     {"embedding", LowerEmbedding, {.index_checks = {{"indices", "weight", ""}}}},
-    {"gather", LowerGather, {.index_checks = {{"index", "self", "dim"}}}},
-    {"scatter", LowerScatter, {.index_checks = {{"index", "self", "dim"}}}},
-    {"scatter_add", LowerScatterAdd, {.index_checks = {{"index", "self", "dim"}}}},
-    {"scatter_reduce", LowerScatterReduce, {.index_checks = {{"index", "self", "dim"}}}},
+    {"gather", LowerGather, {.index_checks = {{"index", "self", "dim", false, true}}}},
+    {"scatter", LowerScatter, {.index_checks = {{"index", "self", "dim", false, true}}}},
+    {"scatter_add", LowerScatterAdd, {.index_checks = {{"index", "self", "dim", false, true}}}},
+    {"scatter_reduce", LowerScatterReduce, {.index_checks = {{"index", "self", "dim", false, true}}}},
     {"index_add", LowerIndexAdd, {.index_checks = {{"index", "self", "dim"}}}},
     {"index_copy", LowerIndexCopy, {.index_checks = {{"index", "self", "dim"}}}},
     {"index_reduce", LowerIndexReduce, {.index_checks = {{"index", "self", "dim"}}}},

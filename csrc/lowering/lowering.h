@@ -113,6 +113,10 @@ class LoweringContext {
   // lowering (torch.compile) does not evaluate them.
   void check(hlo::Value bad, std::string message);
   std::vector<std::pair<hlo::Value, std::string>> checks;
+  // As check(), where CPU raises IndexError (nll_loss: "Target 5 is out of
+  // bounds."): the executors raise IndexError(`message`, prefixed by the op).
+  void check_index(hlo::Value bad, std::string message);
+  std::vector<std::pair<hlo::Value, std::string>> index_errors;
 
   // Debug label of the op being lowered: "aten::add.Tensor".
   std::string op_name() const;
@@ -130,6 +134,9 @@ struct IndexCheck {
   std::string_view source;
   std::string_view dim_arg;
   bool allow_negative = false;
+  // CPU raises RuntimeError, not IndexError, for this op (gather, scatter*:
+  // "index 23 is out of bounds for dimension 1 with size 2").
+  bool runtime_error = false;
 };
 
 struct LoweringTraits {

@@ -424,6 +424,16 @@ std::vector<Value> LowerNllLossForward(LoweringContext& ctx) {
   at::ScalarType acc = Acc(out.dtype);
   NllParts p = NllPrepare(ctx, acc);
   const int64_t reduction = ctx.int_arg("reduction");
+  if (p.n > 0) {
+    // CPU: IndexError "Target 5 is out of bounds." for a target outside
+    // [0, C) that is not ignore_index (the value is not named here).
+    Value t = b.Reshape(Cast(b, ctx.tensor("target"), at::kLong), std::vector<int64_t>{p.n});
+    Value out_of_range = b.Or(b.Compare(t, ConstLike(b, t, 0), CompareDirection::kLT),
+                              b.Compare(t, ConstLike(b, t, static_cast<double>(p.c)), CompareDirection::kGE));
+    ctx.check_index(ReduceOr(b, b.And(p.valid, out_of_range), std::vector<int64_t>{0}, false),
+                    "Target is out of bounds (a class index outside [0, " + std::to_string(p.c) +
+                        ") that is not ignore_index)");
+  }
   if (p.n == 0) {
     ElementType e = ToElementType(acc);
     Value zero = Const(b, e, 0);

@@ -260,7 +260,17 @@ std::vector<Value> LowerPow(LoweringContext& ctx) {
   Value x = p.InExact("self"), e = p.InExact("exponent");
   Value r = b.Pow(x, e);
   if (!IsFloat(p.compute) && !IsComplex(p.compute)) {
-    // Negative integer exponents: 1 for base 1, +-1 for base -1, else 0.
+    // An integer tensor to a negative integer Scalar power: CPU's meta
+    // kernel raises (pow.Tensor_Scalar); the Scalar is a runtime input.
+    const c10::Argument* exp_schema = nullptr;
+    for (const auto& a : ctx.schema.arguments())
+      if (a.name() == "exponent") exp_schema = &a;
+    if (exp_schema && exp_schema->type()->kind() == c10::TypeKind::NumberType && base_arg.kind == Kind::kTensor &&
+        at::isIntegralType(exp_arg.dtype, /*includeBool=*/false)) {
+      const Value& raw = ctx.value("exponent");
+      ctx.check(Cmp(b, raw, ConstLike(b, raw, 0), kLT), "Integers to negative integer powers are not allowed.");
+    }
+    // Negative integer exponents (tensor exponents): 1 for base 1, +-1 for base -1, else 0.
     if (IsUnsigned(p.compute)) return {p.Done(r)};
     Value zero = p.C(0), one = p.C(1);
     Value odd = Cmp(b, b.Rem(e, p.C(2)), zero, kNE);

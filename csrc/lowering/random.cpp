@@ -67,6 +67,7 @@ std::vector<Value> LowerUniform(LoweringContext& ctx) {
   at::ScalarType t = FloatCompute(out.dtype);
   const double from = ctx.has("from") ? ctx.float_arg("from") : 0.0;
   const double to = ctx.has("to") ? ctx.float_arg("to") : 1.0;
+  TORCH_CHECK(from <= to, "uniform_ expects to return a [from, to) range, but found from=", from, " > to=", to);
   Value u = Uniform(ctx, out.sizes, WantsF64(out.dtype));
   Value r = b.Add(b.Mul(u, ConstLike(b, u, to - from)), ConstLike(b, u, from));
   return {Out(b, Cast(b, r, t), out)};
@@ -207,6 +208,7 @@ std::vector<Value> LowerMultinomial(LoweringContext& ctx) {
     throw LoweringError(ctx.op_name() + ": input CPU rejects (dtype, rank, num_samples or empty distribution)");
   const bool batched = w.rank() == 2;
   const int64_t rows = batched ? w.dims()[0] : 1, n = w.dims().back();
+  TORCH_CHECK(n <= (int64_t{1} << 24), "number of categories cannot exceed 2^24");  // CPU's check
   if (rows == 0) return {Const(b, ElementType::kS64, 0, out.sizes)};
   const at::ScalarType t = FloatCompute(ctx.arg("self").dtype);
   w = b.Reshape(Cast(b, w, t), std::vector<int64_t>{rows, n});
@@ -215,8 +217,12 @@ std::vector<Value> LowerMultinomial(LoweringContext& ctx) {
     int64_t both[] = {0, 1}, last[] = {1};
     Value finite = b.IsFinite(w);
     Value negative = b.Compare(w, ConstLike(b, w, 0), CompareDirection::kLT);
+    // With replacement and more than one sample CPU's sampling kernel
+    // raises "invalid multinomial distribution (encountering ...)".
     ctx.check(ReduceOr(b, b.Or(b.Not(finite), negative), both, false),
-              "probability tensor contains either `inf`, `nan` or element < 0");
+              replacement && k > 1 ? "invalid multinomial distribution (encountering probability entry < 0, "
+                                     "infinity or NaN)"
+                                   : "probability tensor contains either `inf`, `nan` or element < 0");
     Value positive = b.Compare(w, ConstLike(b, w, 0), CompareDirection::kGT);
     Value count = ReduceSum(b, b.Convert(positive, ElementType::kS64), last, false);  // [rows]
     ctx.check(ReduceOr(b, b.Compare(count, ConstLike(b, count, 0), CompareDirection::kEQ), std::vector<int64_t>{0},

@@ -168,12 +168,19 @@ std::vector<Value> LowerMaxMin(LoweringContext& ctx, bool is_max) {
     return {is_max ? MaxPropagateNaN(b, x, y) : MinPropagateNaN(b, x, y)};
   }
   Value x = ctx.tensor("self");
+  const char* what = is_max ? "max()" : "min()";
   if (ctx.find("dim") && ctx.outputs.size() == 2) {  // max.dim: (values, indices)
     int64_t dim = NormalizeDim(ctx.int_arg("dim"), x.rank());
+    // CPU's checks (no identity over an empty dim), same messages and types.
+    TORCH_CHECK_INDEX(x.rank() == 0 || x.dims()[static_cast<size_t>(dim)] != 0, what,
+                      ": Expected reduction dim ", dim, " to have non-zero size.");
     if (x.rank() == 0) return {x, Const(b, ElementType::kS64, 0)};
     auto [v, i] = ArgReduce(b, x, dim, is_max);
     return {Fit(b, Cast(b, v, out.dtype), out.sizes), Fit(b, i, ctx.outputs[1].sizes)};
   }
+  TORCH_CHECK(x.type.numel() > 0 || ctx.find("dim"), what,
+              ": Expected reduction dim to be specified for input.numel() == 0. Specify the reduction dim with the "
+              "'dim' argument.");
   auto dims = DimsOf(ctx, x);
   Value r = ExtremeReduce(b, x, dims, is_max);
   return {Fit(b, Cast(b, r, out.dtype), out.sizes)};

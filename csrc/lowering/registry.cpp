@@ -225,4 +225,10 @@ void LoweringContext::check(hlo::Value bad, std::string message) {
   checks.emplace_back(std::move(bad), std::move(message));
 }
 
+void LoweringContext::check_index(hlo::Value bad, std::string message) {
+  if (!bad.type.dims.empty() || bad.element() != hlo::ElementType::kPred)
+    throw LoweringError(op_name() + ": a value check must be a 0-d pred, got " + bad.type.ToString());
+  index_errors.emplace_back(std::move(bad), std::move(message));
+}
+
 }  // namespace torch_tpu::lowering

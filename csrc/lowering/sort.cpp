@@ -371,6 +371,7 @@ std::vector<Value> LowerBucketize(LoweringContext& ctx) {
   const auto& out = ctx.outputs[0];
   const bool right = ctx.has("right") && ctx.bool_arg("right");
   Value seq = ctx.tensor("boundaries");
+  TORCH_CHECK(seq.rank() == 1, "boundaries tensor must be 1 dimension, but got dim(", seq.rank(), ")");  // CPU's check
   Value x = ctx.value("self");
   if (Numel(out.sizes) == 0 || seq.dims().back() == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
   at::ScalarType ct = CompareType(CommonType(ctx, "boundaries", "self"));

@@ -262,16 +262,46 @@ at::Tensor ToMeta(const at::Tensor& t) {
   return meta;
 }
 
-c10::IValue ToMetaValue(const c10::IValue& v) {
+// Meta tensors for one call's tpu arguments: tensors over one storage get
+// meta tensors over one meta storage, with their sizes, strides and offset,
+// so that the meta kernels' memory-overlap checks (at::assert_no_overlap,
+// assert_no_partial_overlap: "unsupported operation: some elements of the
+// input tensor and the written-to tensor refer to a single memory
+// location") see what CPU's kernels see. The key records which arguments
+// share a storage, so the outcome holds for every call with that key.
+class MetaArgs {
+ public:
+  at::Tensor Make(const at::Tensor& t) {
+    if (!t.defined() || t.device().type() != c10::DeviceType::PrivateUse1 || !t.has_storage()) return ToMeta(t);
+    const void* impl = t.storage().unsafeGetStorageImpl();
+    c10::Storage* storage = nullptr;
+    for (auto& [k, s] : storages_)
+      if (k == impl) storage = &s;
+    if (!storage) {
+      auto bytes = at::empty({static_cast<int64_t>(t.storage().nbytes())},
+                             at::TensorOptions().dtype(at::kByte).device(c10::kMeta));
+      storages_.emplace_back(impl, bytes.storage());
+      storage = &storages_.back().second;
+    }
+    at::Tensor meta = at::empty({0}, t.options().device(c10::kMeta));
+    meta.set_(*storage, t.storage_offset(), t.sizes(), t.strides());
+    return meta;
+  }
+
+ private:
+  std::vector<std::pair<const void*, c10::Storage>> storages_;
+};
+
+c10::IValue ToMetaValue(const c10::IValue& v, MetaArgs& metas) {
   if (v.isTensor()) {
     const at::Tensor& t = v.toTensor();
     if (!t.defined()) return v;
     if (t.dim() == 0 && t.device().is_cpu()) return v;  // CPU scalars stay CPU scalars
-    return ToMeta(t);
+    return metas.Make(t);
   }
   if (v.isTensorList()) {
     c10::List<at::Tensor> out;
-    for (const auto& t : v.toTensorList()) out.push_back(ToMeta(t));
+    for (const auto& t : v.toTensorList()) out.push_back(metas.Make(t));
     return out;
   }
   if (v.isList()) {
@@ -282,7 +312,7 @@ c10::IValue ToMetaValue(const c10::IValue& v) {
     c10::List<std::optional<at::Tensor>> out;
     for (const auto& x : list) {
       if (x.isNone() || !x.toTensor().defined()) out.push_back(std::nullopt);
-      else out.push_back(ToMeta(x.toTensor()));
+      else out.push_back(metas.Make(x.toTensor()));
     }
     return out;
   }
@@ -316,6 +346,7 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
   torch::jit::Stack meta_stack;
   for (int attempt = 0;; ++attempt) {
     meta_stack.clear();
+    MetaArgs metas;
     for (size_t i = 0; i < args.size(); ++i) {
       const c10::IValue& v = stack[first + i];
       if (out_resized_by_numel && IsOutArg(args[i]) && v.isTensor() && v.toTensor().defined()) {
@@ -326,11 +357,13 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
       }
       meta_stack.push_back(attempt == 1 && v.isTensor() && v.toTensor().defined() && v.toTensor().is_cpu()
                                ? c10::IValue(ToMeta(v.toTensor()))
-                               : ToMetaValue(v));
+                               : ToMetaValue(v, metas));
     }
     try {
       op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &meta_stack);
       break;
+    } catch (const c10::Error& e) {
+      if (attempt == 1) throw UnsupportedOp(std::string("no meta kernel result: ") + e.what_without_backtrace());
     } catch (const std::exception& e) {
       if (attempt == 1) throw UnsupportedOp(std::string("no meta kernel result: ") + e.what());
     }
@@ -480,11 +513,12 @@ void ProgramBuilder::AddIndexChecks(const std::string& name, const lowering::Low
       return lowering::ReduceOr(b, bad, all, false);
     };
     auto add = [&](const hlo::Value& idx, int64_t dim) {
-      if (auto bad = out_of_range(idx, dim))
-        index_checks.emplace_back(*bad, name + ": index out of range for dimension " + std::to_string(dim) +
-                                            " with size " + std::to_string(dims.empty() ? 1 : dims[dim]) +
-                                            " (found at the next sync point; TORCH_TPU_EAGER_MODE=debug stops at "
-                                            "the op)");
+      if (auto bad = out_of_range(idx, dim)) {
+        std::string message = name + ": index out of range for dimension " + std::to_string(dim) + " with size " +
+                              std::to_string(dims.empty() ? 1 : dims[dim]) +
+                              " (found at the next sync point; TORCH_TPU_EAGER_MODE=debug stops at the op)";
+        index_checks.emplace_back(*bad, check.runtime_error ? Runtime::ValueCheckMessage(message) : message);
+      }
     };
     if (index->kind == LoweredArg::Kind::kTensor) {
       int64_t dim = 0;
@@ -602,6 +636,9 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
     index_checks.emplace_back(bad, Runtime::ValueCheckMessage(
                                        name + ": " + message +
                                        " (found at the next sync point; TORCH_TPU_EAGER_MODE=debug stops at the op)"));
+  for (auto& [bad, message] : ctx.index_errors)  // raised as IndexError
+    index_checks.emplace_back(
+        bad, name + ": " + message + " (found at the next sync point; TORCH_TPU_EAGER_MODE=debug stops at the op)");
   if (results.size() != spec.outputs.size())
     throw std::logic_error("lowering of " + name + " returned " + std::to_string(results.size()) + " values for " +
                            std::to_string(spec.outputs.size()) + " returns");

@@ -31,16 +31,19 @@ std::string Where() {
 }
 
 void CheckIndex(const std::string& op_name, const at::Tensor& index, int64_t size, int64_t dim,
-                bool allow_negative) {
+                bool allow_negative, bool runtime_error = false) {
   if (!index.defined() || index.numel() == 0) return;
   if (index.scalar_type() == at::kBool || index.scalar_type() == at::kByte) return;  // masks
   at::Tensor host = index.to(at::kCPU).to(at::kLong);
   int64_t lo = host.min().item<int64_t>(), hi = host.max().item<int64_t>();
   const int64_t low_bound = allow_negative ? -size : 0;
   int64_t bad = lo < low_bound ? lo : (hi >= size ? hi : 0);
-  if (lo < low_bound || hi >= size)
-    TORCH_CHECK_INDEX(false, op_name, ": index ", bad, " is out of bounds for dimension ", dim, " with size ",
-                      size, Where());
+  if (!(lo < low_bound || hi >= size)) return;
+  if (runtime_error)  // CPU raises RuntimeError for these ops (gather, scatter)
+    TORCH_CHECK(false, op_name, ": index ", bad, " is out of bounds for dimension ", dim, " with size ", size,
+                Where());
+  TORCH_CHECK_INDEX(false, op_name, ": index ", bad, " is out of bounds for dimension ", dim, " with size ", size,
+                    Where());
 }
 
 void RunIndexChecks(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
@@ -58,7 +61,8 @@ void RunIndexChecks(const c10::OperatorHandle& op, const torch::jit::Stack& stac
       if (d && d->isInt()) dim = c10::maybe_wrap_dim(d->toInt(), std::max<int64_t>(src.dim(), 1));
     }
     if (index->isTensor()) {
-      CheckIndex(op_name, index->toTensor(), src.dim() == 0 ? 1 : src.size(dim), dim, check.allow_negative);
+      CheckIndex(op_name, index->toTensor(), src.dim() == 0 ? 1 : src.size(dim), dim, check.allow_negative,
+                 check.runtime_error);
     } else if (index->isList()) {
       const auto& list = index->toListRef();
       for (size_t j = 0; j < list.size(); ++j)

@@ -408,17 +408,36 @@ class Prepared:
     """One copy of a sample: input, args, kwargs and the leaves that require grad."""
 
     def __init__(self, sample, device: torch.device, grad: bool, keep_cpu_args: bool = False,
-                 factory: bool = False):
+                 factory: bool = False, keep_requires_grad: bool = False, keep_layout: bool = False):
         memo: dict = {}
         leaves: list = []
+
+        storages: dict = {}
+
+        def copy_layout(t: torch.Tensor) -> torch.Tensor:
+            # The same sizes, strides and offset over one device copy per
+            # storage: expanded tensors and views sharing a storage stay so.
+            st = t.untyped_storage()
+            k = (st.data_ptr(), st.nbytes(), t.dtype)
+            if k not in storages:
+                flat = torch.empty(0, dtype=t.dtype).set_(st, 0, (st.nbytes() // t.element_size(),), (1,))
+                storages[k] = (flat, flat.detach().to(device))
+            return storages[k][1].as_strided(t.shape, t.stride(), t.storage_offset())
 
         def move(t: torch.Tensor) -> torch.Tensor:
             wants = grad and t.requires_grad
             c = t.detach()
-            c = c.to(device) if device.type != "cpu" else c.clone()
+            if device.type == "cpu":
+                c = c.clone()
+            elif keep_layout and t.layout == torch.strided and not t.is_neg() and not t.is_conj():
+                c = copy_layout(c)
+            else:
+                c = c.to(device)
             if wants:
                 c.requires_grad_(True)
                 leaves.append(c)
+            elif keep_requires_grad and t.requires_grad:  # error_inputs: autograd's own checks
+                c.requires_grad_(True)
             return c
 
         self.input = _map_tensors(sample.input, move, memo)
@@ -798,6 +817,276 @@ def run_sample(op, sample, index: int, dtype, mode: str, phase: str, ref: Refere
     else:
         outcome.status = "pass"
     return outcome
+
+
+# ---------------------------------------------------------------------------
+# error_inputs: invalid inputs that CPU rejects
+# ---------------------------------------------------------------------------
+#
+# Every OpInfo's ``error_inputs(device)`` yields ErrorInputs: a sample, the
+# exception type PyTorch raises for it and a regex its message matches
+# (PyTorch's own test_ops.py::test_errors asserts exactly that on each
+# device). Here each ErrorInput generated for "cpu" is first checked on CPU
+# (CPU must raise error_type matching error_regex; else the case is a skip:
+# the ErrorInput does not hold on this PyTorch), then its tensors are copied
+# to tpu and the call runs in the chosen eager mode. The tpu run, the move
+# of the result to the host and a synchronize() are all inside the
+# expectation: in strict and fused mode an error that needs device values
+# surfaces at that sync point, in debug mode at the op.
+#
+# Some ErrorInputs depend on the device they are generated for: PyTorch
+# guards a few with ``device == "cpu"`` (CPU's kernels raise a CPU-specific
+# message, or CUDA does not check), and adds cases mixing a CPU tensor into
+# an accelerator call (``device != "cpu"``). So error_inputs("tpu") is
+# generated too: an ErrorInput of that list whose sample has the same
+# structure (tensor shapes and dtypes, other arguments) as a CPU one is the
+# expectation PyTorch declares for a non-CPU device, accepted as an
+# alternative; the rest (cross-device cases) run as generated, with
+# PyTorch's expectation and no CPU run.
+#
+# Outcomes (phase "error", dtype "-"): pass (tpu raised the expected type
+# with a matching message; ``fallbacks`` says when the error came from an op
+# that ran on the CPU), fail with category "no error" (tpu returned a
+# value), "wrong exception type" or "message differs", or skip.
+# ``error_inputs_sparse`` is not run: sparse layouts are not supported on
+# tpu (the tensors cannot be made there).
+
+ERROR_PHASE = "error"
+ERROR_DTYPE = "-"
+
+
+@dataclasses.dataclass
+class ErrorCase:
+    """One ErrorInput: ``sample`` on CPU (or, when ``device_only``, as
+    generated for tpu), with the expectations a tpu run may meet."""
+    index: int
+    sample: Any
+    expected: list  # [(exception type, regex)], the first from the "cpu" list
+    device_only: bool = False
+
+
+def _error_signature(sample, device_type: str) -> tuple:
+    """The structure of a sample, values aside: tensors as (shape, dtype,
+    "dev" on ``device_type`` else their device type), other leaves as repr."""
+    leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+    sig = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            sig.append(("T", tuple(x.shape), str(x.dtype), "dev" if x.device.type == device_type else x.device.type))
+        elif isinstance(x, torch.device) or (isinstance(x, str) and x in ("cpu", device_type)):
+            sig.append(("D",))
+        else:
+            sig.append(repr(x)[:200])
+    return str(spec), tuple(sig)
+
+
+def _list_error_inputs(op, device: str) -> list:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        return list(op.error_inputs(device))
+
+
+def has_error_inputs(op) -> bool:
+    return getattr(op, "error_inputs_func", None) is not None
+
+
+def generate_error_cases(op) -> tuple[list[ErrorCase], str]:
+    """The OpInfo's ErrorInputs as ErrorCases, and a note ("" or why the
+    tpu-generated list could not be made)."""
+    cpu_list = _list_error_inputs(op, "cpu")
+    note = ""
+    try:
+        with torch_tpu.eager_mode("strict"):
+            tpu_list = _list_error_inputs(op, "tpu")
+            torch.tpu.synchronize()
+    except Exception as e:  # noqa: BLE001 - generating on tpu failed: CPU list only
+        tpu_list, note = [], f"error_inputs('tpu') raises {first_line(e)}"
+    unpaired = {}
+    for e in tpu_list:
+        unpaired.setdefault(_error_signature(e.sample_input, "tpu"), []).append(e)
+    cases = []
+    for i, e in enumerate(cpu_list):
+        expected = [(e.error_type, e.error_regex)]
+        group = unpaired.get(_error_signature(e.sample_input, "cpu"))
+        if group:
+            alt = group.pop(0)
+            if (alt.error_type, alt.error_regex) != expected[0]:
+                expected.append((alt.error_type, alt.error_regex))
+        cases.append(ErrorCase(i, e.sample_input, expected))
+    rest = [e for group in unpaired.values() for e in group]
+    for j, e in enumerate(rest):
+        cases.append(ErrorCase(len(cpu_list) + j, e.sample_input, [(e.error_type, e.error_regex)], device_only=True))
+    return cases, note
+
+
+def _raises_as_expected(e: BaseException, expected: list) -> tuple[bool, bool]:
+    """(type matches one expectation, type and message match one)."""
+    import re
+
+    type_ok = any(isinstance(e, t) for t, _ in expected)
+    full = any(isinstance(e, t) and re.search(r, str(e)) for t, r in expected)
+    return type_ok, bool(full)
+
+
+def _call_error_sample(op, sample):
+    out = op.op(sample.input, *sample.args, **sample.kwargs)
+    _to_cpu(out)
+    return out
+
+
+def _describe_expected(expected: list) -> str:
+    return " or ".join(f"{t.__name__} /{r}/" for t, r in expected)
+
+
+def run_error_case(op, case: ErrorCase, mode: str) -> Outcome:
+    """Runs one ErrorInput on tpu in ``mode`` (see the section comment)."""
+    name = full_name(op)
+    outcome = Outcome(name, ERROR_DTYPE, mode, ERROR_PHASE, case.index, "skip")
+    sample = case.sample
+    if _has_complex((sample.input, sample.args, sample.kwargs)):
+        outcome.reason = "complex or sparse tensors"
+        return outcome
+    if not case.device_only:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _call_error_sample(op, sample)
+            outcome.reason = "CPU does not raise for this ErrorInput (expected " + _describe_expected(
+                case.expected[:1]) + ")"
+            return outcome
+        except Exception as e:  # noqa: BLE001
+            if not _raises_as_expected(e, case.expected[:1])[1]:
+                outcome.reason = (f"CPU raises {first_line(e)}, not the declared "
+                                  + _describe_expected(case.expected[:1]))
+                return outcome
+            cpu_error = first_line(e)
+    else:
+        cpu_error = "(cross-device case: no CPU run) " + _describe_expected(case.expected)
+    m0 = torch_tpu.metrics()
+    fb0 = dict(m0["cpu_fallbacks"])
+    t0 = time.perf_counter()
+    error: BaseException | None = None
+    try:
+        if case.device_only:
+            run = sample
+        else:
+            factory = op.name in FACTORY_OPS or (getattr(op, "is_factory_function", False)
+                                                 and not _has_tensors((sample.input, sample.args, sample.kwargs)))
+            run = Prepared(sample, TPU, grad=False, keep_cpu_args=op.name in CPU_ARGS, factory=factory,
+                           keep_requires_grad=True, keep_layout=True)
+        with torch_tpu.eager_mode(mode), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _call_error_sample(op, run)  # the result moved to the host: a sync point
+            torch.tpu.synchronize()
+    except Exception as e:  # noqa: BLE001
+        error = e
+    try:
+        torch.tpu.synchronize()  # nothing left pending for the next case
+    except Exception:  # noqa: BLE001
+        pass
+    m1 = torch_tpu.metrics()
+    outcome.seconds = time.perf_counter() - t0
+    outcome.compiles = m1["compiles"] - m0["compiles"]
+    outcome.compile_s = m1["compile_time_s"] - m0["compile_time_s"]
+    outcome.fallbacks = _delta(fb0, m1["cpu_fallbacks"])
+    want = _describe_expected(case.expected)
+    if error is None:
+        outcome.status, outcome.category = "fail", "no error"
+        outcome.reason = f"tpu returned a value; CPU raises {cpu_error}"
+        return outcome
+    type_ok, full = _raises_as_expected(error, case.expected)
+    if full:
+        outcome.status = "pass"
+        outcome.reason = first_line(error) + (" (raised by the CPU fallback)" if outcome.fallbacks else "")
+        return outcome
+    outcome.status = "fail"
+    outcome.category = "message differs" if type_ok else "wrong exception type"
+    outcome.reason = f"tpu raises {first_line(error, 200)}; expected {want[:200]}"
+    return outcome
+
+
+# The fast subset (tests/python/test_opinfo.py, tools/op_coverage.py without
+# --full): the first FAST_MAX_ERROR_INPUTS ErrorInputs of every OpInfo in
+# strict mode, and all of them in debug mode too for FAST_DEBUG_ERROR_OPS
+# (the ops whose checks differ between modes). Full: every ErrorInput in
+# strict and debug mode.
+FAST_MAX_ERROR_INPUTS = 4
+FAST_DEBUG_ERROR_OPS = ("gather", "scatter", "scatter_add", "index_select", "take", "multinomial", "pow",
+                        "masked_select", "cat", "nn.functional.embedding")
+
+
+def error_plan(op, full: bool) -> list[tuple[str, int | None]]:
+    """[(mode, max ErrorInputs or None for all)] for one OpInfo."""
+    if not has_error_inputs(op):
+        return []
+    if full:
+        return [(m, None) for m in MODES]
+    runs = [("strict", FAST_MAX_ERROR_INPUTS)]
+    if full_name(op) in FAST_DEBUG_ERROR_OPS:
+        runs = [("strict", None), ("debug", None)]
+    return runs
+
+
+def run_error_inputs(op, modes: Iterable[str], skip_keys: set | None = None, on_start=None,
+                     limit: int | None = None) -> Iterator[Outcome]:
+    """Every error_inputs outcome of one OpInfo in the given modes (the
+    first ``limit`` ErrorInputs when given)."""
+    name = full_name(op)
+    try:
+        cases, note = generate_error_cases(op)
+        if limit is not None:
+            cases = cases[:limit]
+    except Exception as e:  # noqa: BLE001
+        for mode in modes:
+            yield Outcome(name, ERROR_DTYPE, mode, ERROR_PHASE, -1, "skip", f"error_inputs raises {first_line(e)}")
+        return
+    for case in cases:
+        for mode in modes:
+            key = (name, ERROR_DTYPE, mode, ERROR_PHASE, case.index)
+            if skip_keys and key in skip_keys:
+                continue
+            if on_start:
+                on_start(key)
+            try:
+                outcome = run_error_case(op, case, mode)
+            except Exception as e:  # noqa: BLE001 - a case the harness cannot handle
+                outcome = Outcome(name, ERROR_DTYPE, mode, ERROR_PHASE, case.index, "skip",
+                                  f"harness cannot run the error input: {first_line(e)}")
+            yield outcome
+
+
+# (OpInfo full name, mode, ErrorInput index) -> reason; "*" matches any mode
+# or index. What tests/python/test_opinfo.py marks xfail for error_inputs.
+_INDEX_VALUE = ("strict mode: an out-of-range index is found by a device-side check (a pred), so the message "
+                "names the dimension and size but not the index value (debug mode names it)")
+ERROR_EXPECTED_FAILURES: dict[tuple[str, str, Any], str] = {
+    ("gather", "strict", 4): _INDEX_VALUE,
+    ("scatter", "strict", 3): _INDEX_VALUE,
+    ("scatter_add", "strict", 3): _INDEX_VALUE,
+    ("aminmax", "*", 3): "out= of another dtype: aminmax's exact-dtype check on out= is not made (the runtime "
+                         "casts a result into out=); the values written are CPU's, cast",
+    ("multinomial", "*", 2): "out= of another dtype: multinomial's Long-only check on out= is not made (the "
+                             "runtime casts into out=)",
+    ("kthvalue", "*", 0): "values/indices out= overlapping the input: CPU checks it in its kernel, not in the "
+                          "meta kernel the runtime runs, so the overlap is not seen",
+    ("cat", "*", 8): "out= a view of an input that cat must resize: PyTorch's meta cat does not report the overlap "
+                     "that CPU's kernel reports after resizing, and the runtime writes a new storage",
+    ("vdot", "*", 3): "a CPU tensor mixed into a call that runs through the CPU fallback (vdot has no "
+                      "lowering): cpu_fallback moves every argument to the CPU and computes",
+    ("gradient", "*", 3): "torch.gradient's device check on spacing tensors (a Python composite): the meta "
+                          "run of an op it calls fails first",
+    ("gradient", "*", 10): "torch.gradient's device check on spacing tensors (a Python composite): the meta "
+                           "run of an op it calls fails first",
+}
+
+
+def expected_error_failure(name: str, mode: str, index: int) -> str | None:
+    for m, i in itertools.product((mode, "*"), (index, "*")):
+        reason = ERROR_EXPECTED_FAILURES.get((name, m, i))
+        if reason:
+            return reason
+    return None
 
 
 # ---------------------------------------------------------------------------

@@ -18,6 +18,9 @@ A test
           (the OpInfo has no lowering yet; the skip names the ATen ops), or
           CPU itself rejects the samples;
   xfails  (strict=False) when listed in opinfo_harness.EXPECTED_FAILURES.
+test_opinfo_errors runs every OpInfo's error_inputs (invalid inputs CPU
+rejects): the same exception type and a matching message on tpu
+(opinfo_harness "error_inputs" section; fast subset error_plan(op, False)).
 tools/op_coverage.py runs the same harness and writes docs/op_coverage.md.
 """
 from __future__ import annotations
@@ -154,3 +157,63 @@ def test_opinfo_fused(name, request):
     outcomes = [H.run_sample(op, s, i, torch.float32, "fused", "fwd") for i, s in enumerate(samples)]
     failed = [o for o in outcomes if o.status == "fail"]
     assert not failed, f"{len(failed)}/{len(outcomes)} samples fail: {_summary(outcomes, 'fail')}"
+
+
+# error_inputs: every OpInfo's invalid inputs (opinfo_harness "error_inputs"
+# section). A test per (OpInfo, mode): each ErrorInput that CPU rejects with
+# its declared exception type and message must be rejected on tpu with the
+# same type and a matching message (strict mode: at the sync point that
+# reads the result). Fast subset: opinfo_harness.error_plan(op, full=False);
+# TORCH_TPU_OPINFO_FULL=1: every ErrorInput in strict and debug mode.
+def _error_cases():
+    cases = []
+    for op in H.op_db():
+        name = H.full_name(op)
+        for mode, limit in H.error_plan(op, FULL):
+            cases.append(pytest.param(name, mode, limit, id=f"{name}-errors-{mode}"))
+    return cases
+
+
+@pytest.mark.parametrize("name,mode,limit", _error_cases())
+def test_opinfo_errors(name, mode, limit):
+    op = H.find_op(name)
+    cases, note = H.generate_error_cases(op)
+    outcomes, expected = [], []
+    for case in cases[:limit] if limit is not None else cases:
+        outcome = H.run_error_case(op, case, mode)
+        reason = H.expected_error_failure(name, mode, case.index)
+        (expected if outcome.status == "fail" and reason else outcomes).append((outcome, reason))
+    failed = [o for o, _ in outcomes if o.status == "fail"]
+    assert not failed, f"{len(failed)}/{len(outcomes)} error inputs fail: " + "; ".join(
+        f"error input {o.sample}: [{o.category}] {o.reason}" for o in failed)
+    if expected:
+        pytest.xfail("; ".join(sorted({r for _, r in expected})))
+    if not any(o.status == "pass" for o, _ in outcomes):
+        pytest.skip("nothing to compare: " + "; ".join(o.reason for o, _ in outcomes)[:300] + (f" ({note})" if note else ""))
+
+
+def test_error_harness_detects_missing_error():
+    """The error_inputs harness itself: tpu returning a value where CPU
+    raises is a failure, another exception type too; a match passes."""
+    import types
+
+    from torch.testing._internal.opinfo.core import SampleInput
+
+    def fn(x, kind):
+        if x.device.type == "cpu" or kind == "same":
+            raise ValueError("bad input: negative size")
+        if kind == "other type":
+            raise TypeError("bad input: negative size")
+        return x + 1
+
+    op = types.SimpleNamespace(name="fake", variant_test_name="", op=fn)
+    outcomes = {}
+    for kind in ("value", "other type", "same"):
+        case = H.ErrorCase(0, SampleInput(torch.ones(2), args=(kind,)), [(ValueError, "negative size")])
+        outcomes[kind] = H.run_error_case(op, case, "strict")
+    assert outcomes["value"].status == "fail" and outcomes["value"].category == "no error", outcomes
+    assert outcomes["other type"].status == "fail" and outcomes["other type"].category == "wrong exception type"
+    assert outcomes["same"].status == "pass", outcomes["same"]
+    # CPU not raising as declared: the ErrorInput is skipped, not counted
+    case = H.ErrorCase(0, SampleInput(torch.ones(2), args=("same",)), [(TypeError, "negative size")])
+    assert H.run_error_case(op, case, "strict").status == "skip"
