@@ -7,6 +7,11 @@ collective x dtype and compares each result with the same collective run by
 gloo on CPU tensors of the same values (exact: the host-staged transport
 computes on the same host values; AVG and PREMUL_SUM, which gloo lacks, are
 compared with gloo's SUM divided / pre-multiplied on CPU).
+
+Tiers: the default run (about 2 minutes on 2 cores) checks the collectives
+in strict mode, a 1-D DeviceMesh, failures and DDP (strict and fused);
+TORCH_TPU_DIST_FULL=1 adds the collectives in fused mode and a 4-rank 2-D
+DeviceMesh with sub-groups.
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ import torch
 
 WORLD = 2
 JOB_TIMEOUT_S = 150
+FULL = os.environ.get("TORCH_TPU_DIST_FULL", "") not in ("", "0")
+full_tier = pytest.mark.skipif(not FULL, reason="full distributed tier: TORCH_TPU_DIST_FULL=1")
 
 
 # --------------------------------------------------------------------------
@@ -304,7 +311,7 @@ def _collectives_worker(rank, world, args):
     return {"report": report}
 
 
-@pytest.fixture(scope="module", params=["strict", "fused"])
+@pytest.fixture(scope="module", params=["strict", pytest.param("fused", marks=full_tier)])
 def collective_reports(request, tmp_path_factory):
     results = run_job(tmp_path_factory.mktemp(f"coll-{request.param}"), _collectives_worker,
                       {"mode": request.param})
@@ -319,3 +326,218 @@ def test_collective_matches_gloo(collective_reports, case):
 
 def test_backend_map(collective_reports):
     assert collective_reports[0]["_backends"] == {"tpu": "ProcessGroupTPU", "cpu": "ProcessGroupTPU"}
+
+
+# --------------------------------------------------------------------------
+# init variants, DeviceMesh, sub-groups
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mesh_worker(rank, world, args):
+    """init_device_mesh("tpu", shape) initializes the default group itself
+    (init_process_group() with no backend) and binds LOCAL_RANK's device."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(args["shape"])
+    # As PyTorch recommends (DeviceMesh warns otherwise): bind LOCAL_RANK's
+    # device first. (DeviceMesh's own binding is skipped on tpu: the
+    # accelerator query in init_process_group() initializes the runtime, and
+    # DeviceMesh binds only when torch.tpu.is_initialized() is False.)
+    torch.tpu.set_device(int(os.environ["LOCAL_RANK"]))
+    mesh = init_device_mesh("tpu", shape, mesh_dim_names=tuple(f"d{i}" for i in range(len(shape))))
+    out = {"current_device": torch.tpu.current_device()}
+    pg = dist.group.WORLD
+    out["backends"] = {d: type(pg._get_backend(torch.device(d))).__name__ for d in ("tpu", "cpu")}
+    value = torch.full((4,), float(rank + 1), device="tpu")
+    sums = {}
+    for i in range(len(shape)):
+        t = value.clone()
+        dist.all_reduce(t, group=mesh.get_group(i))
+        sums[f"d{i}"] = t.cpu().tolist()
+    out["sums"] = sums
+    out["mesh"] = mesh.mesh.tolist()
+    if world == 4:  # an explicit sub-group of ranks 0 and 2, tpu_dist by name
+        sub = dist.new_group([0, 2], backend="tpu_dist")
+        if rank in (0, 2):
+            t = value.clone()
+            dist.all_reduce(t, group=sub)
+            out["sub"] = t.cpu().tolist()
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def _child_env(rank, world, port):
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+
+
+def _env_child(fn, rank, world, env, args, out_dir):
+    os.environ.update(env)
+    os.environ.update(_child_env(rank, world, args["port"]))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    result = {"rank": rank}
+    try:
+        import torch_tpu  # noqa: F401
+
+        result.update(fn(rank, world, args))
+    except BaseException:  # noqa: BLE001
+        result["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def run_env_job(tmp_path, fn, args, world, timeout=JOB_TIMEOUT_S):
+    """Like run_job, but the processes start as torchrun's would (env:// with
+    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and fn initializes."""
+    ctx = multiprocessing.get_context("spawn")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir(exist_ok=True)
+    args = {**args, "port": _free_port()}
+    env = {"TORCH_TPU_CPU_DEVICES": str(world)}
+    procs = [ctx.Process(target=_env_child, args=(fn, r, world, env, args, str(out_dir))) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        assert not hung, f"ranks {hung} still running after {timeout} s (a hang)"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    results = []
+    for r in range(world):
+        path = out_dir / f"rank{r}.json"
+        assert path.exists(), f"rank {r} exited with {procs[r].exitcode} and no result"
+        res = json.loads(path.read_text())
+        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
+        results.append(res)
+    return results
+
+
+def test_device_mesh_default_backend(tmp_path):
+    results = run_env_job(tmp_path, _mesh_worker, {"shape": [2]}, world=2)
+    for rank, res in enumerate(results):
+        assert res["current_device"] == rank
+        # init_process_group() with no backend on a tpu process: cpu:gloo,tpu:tpu_dist
+        assert res["backends"] == {"tpu": "ProcessGroupTPU", "cpu": "ProcessGroupGloo"}
+        assert res["sums"]["d0"] == [3.0] * 4
+
+
+@full_tier
+def test_device_mesh_2d_subgroups(tmp_path):
+    results = run_env_job(tmp_path, _mesh_worker, {"shape": [2, 2]}, world=4)
+    mesh = torch.tensor(results[0]["mesh"])
+    for rank, res in enumerate(results):
+        where = (mesh == rank).nonzero()[0].tolist()
+        # dim 0 groups: the column through rank; dim 1: the row
+        col = mesh[:, where[1]].tolist()
+        row = mesh[where[0], :].tolist()
+        assert res["sums"]["d0"] == [float(sum(r + 1 for r in col))] * 4
+        assert res["sums"]["d1"] == [float(sum(r + 1 for r in row))] * 4
+        if rank in (0, 2):
+            assert res["sub"] == [4.0] * 4  # ranks 0 and 2: 1 + 3
+
+
+# --------------------------------------------------------------------------
+# failure: a dead rank, a rank that never joins the collective
+
+
+def _failure_worker(rank, world, args):
+    import torch.distributed as dist
+
+    t = torch.ones(8, device="tpu")
+    dist.all_reduce(t)  # both ranks are up
+    if rank == 1:
+        if args["how"] == "kill":
+            os._exit(3)  # dies without a word
+        time.sleep(args["pg_timeout_s"] + 15)  # alive, but never joins
+        return {}
+    time.sleep(1.0)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t)
+        t.cpu()
+        return {"raised": False, "elapsed": time.monotonic() - start}
+    except Exception as e:  # noqa: BLE001
+        return {"raised": True, "type": type(e).__name__, "message": str(e)[:2000],
+                "elapsed": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("how", ["kill", "timeout"])
+def test_failure_raises_within_timeout(tmp_path, how):
+    pg_timeout = 6
+    job_timeout = pg_timeout + 60
+    if how == "timeout":
+        # rank 1 outlives rank 0 on purpose; the job waits for rank 0 only
+        results = _run_failure(tmp_path, how, pg_timeout, job_timeout)
+    else:
+        results = run_job(tmp_path, _failure_worker, {"how": how, "pg_timeout_s": pg_timeout},
+                          timeout=job_timeout, expect_exit={1})
+    res = results[0]
+    assert res["raised"], f"rank 0's all_reduce returned after {res['elapsed']:.1f} s with rank 1 {how}"
+    assert res["type"] == "DistBackendError", res
+    assert "tpu_dist allreduce failed on rank 0" in res["message"], res["message"]
+    assert res["elapsed"] <= pg_timeout + 5, f"raised after {res['elapsed']:.1f} s (timeout {pg_timeout} s)"
+
+
+def _run_failure(tmp_path, how, pg_timeout, job_timeout):
+    ctx = multiprocessing.get_context("spawn")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    env = {"TORCH_TPU_CPU_DEVICES": "2"}
+    args = {"how": how, "pg_timeout_s": pg_timeout}
+    procs = [ctx.Process(target=_child, args=(_failure_worker, r, 2, str(tmp_path / "store"), str(out_dir), env, args))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        procs[0].join(job_timeout)
+        assert not procs[0].is_alive(), f"rank 0 still running after {job_timeout} s (a hang)"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    res = json.loads((out_dir / "rank0.json").read_text())
+    assert "error" not in res, res["error"]
+    return [res]
+
+
+# --------------------------------------------------------------------------
+# DDP under torchrun, against a single-process run
+
+
+def test_ddp_torchrun_matches_single_process():
+    """examples/ddp_train.py under torchrun --nproc-per-node 2 (LOCAL_RANK
+    picks the device, init_process_group() with no backend), strict then
+    fused mode: per-step losses within 1e-5 relative of the single-process
+    CPU run, parameters equal across ranks after every step (the example
+    checks both and exits non-zero otherwise)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), os.path.join(root, "examples", "ddp_train.py"), "--mode", "both",
+           "--steps", "4"]
+    env = {**os.environ, "TORCH_TPU_CPU_DEVICES": "2", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun still running after {JOB_TIMEOUT_S} s:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    assert "DDP on tpu (strict)" in out and "DDP on tpu (fused)" in out and "\nOK" in out, out[-4000:]
