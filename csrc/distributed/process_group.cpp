@@ -8,6 +8,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <functional>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <utility>
@@ -26,26 +28,80 @@ void CheckDevice(const at::Tensor& t, const char* op) {
               "; the tpu_dist backend takes tpu and cpu tensors");
 }
 
+}  // namespace
+
+// Host staging buffers, reused: a fresh multi-megabyte CPU tensor per
+// collective costs its page faults every time (64 MB: ~3x gloo's own
+// all_reduce on this 2-core host). A buffer is taken for one collective and
+// returned when its Work finished (the copy back to tpu has read it:
+// uploads copy during the call, kImmutableOnlyDuringCall). At most
+// kMaxIdleBytes of idle buffers are kept.
+class StagingPool {
+ public:
+  static constexpr int64_t kMaxIdleBytes = int64_t{256} << 20;
+
+  at::Tensor Acquire(at::ScalarType dtype, int64_t numel) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = idle_.find({dtype, numel});
+      if (it != idle_.end() && !it->second.empty()) {
+        at::Tensor t = std::move(it->second.back());
+        it->second.pop_back();
+        idle_bytes_ -= t.nbytes();
+        return t;
+      }
+    }
+    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCPU));
+  }
+
+  void Release(std::vector<at::Tensor> buffers) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& t : buffers) {
+      if (idle_bytes_ + static_cast<int64_t>(t.nbytes()) > kMaxIdleBytes) continue;
+      idle_bytes_ += t.nbytes();
+      idle_[{t.scalar_type(), t.numel()}].push_back(std::move(t));
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<std::pair<at::ScalarType, int64_t>, std::vector<at::Tensor>> idle_;
+  int64_t idle_bytes_ = 0;
+};
+
+namespace {
+
 // What one collective stages: host tensors handed to gloo, the host results
 // to write back into tpu (or caller-owned cpu) tensors, host-side steps run
 // after gloo finished (AVG's division), and the tensors the future holds.
 struct Staging {
   const char* op;
+  std::shared_ptr<StagingPool> pool;
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // (destination, host result)
   std::vector<std::function<void()>> after;                  // run before copy_back
   std::vector<at::Tensor> outputs;
+  std::vector<at::Tensor> pooled;  // returned to the pool when the Work finished
 
+  // A contiguous host buffer of t's dtype and sizes from the pool.
+  at::Tensor HostBuffer(const at::Tensor& t) {
+    at::Tensor flat = pool->Acquire(t.scalar_type(), t.numel());
+    pooled.push_back(flat);
+    return flat.view(t.sizes());
+  }
   // Input only: a host copy of a tpu tensor (waits for its pending work).
-  at::Tensor In(const at::Tensor& t) const {
+  at::Tensor In(const at::Tensor& t) {
     CheckDevice(t, op);
-    return OnTpu(t) ? t.to(at::kCPU).contiguous() : t;
+    if (!OnTpu(t)) return t;
+    at::Tensor host = HostBuffer(t);
+    host.copy_(t);
+    return host;
   }
   // Output only: a host buffer, written back into t after the collective.
   at::Tensor Out(const at::Tensor& t, bool write_back = true) {
     CheckDevice(t, op);
     outputs.push_back(t);
     if (!OnTpu(t)) return t;
-    at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU));
+    at::Tensor host = HostBuffer(t);
     if (write_back) copy_back.emplace_back(t, host);
     return host;
   }
@@ -186,6 +242,8 @@ class StagedWork : public Work {
                      " (host-staged transport over gloo): ", e.what())));
       }
       done_ = true;
+      staging_.pool->Release(std::move(staging_.pooled));
+      staging_.pooled.clear();
       if (error_) {
         future_->setError(error_);
       } else {
@@ -212,7 +270,7 @@ WorkPtr Make(int rank, OpType type, std::vector<WorkPtr> works, Staging staging)
 
 ProcessGroupTPU::ProcessGroupTPU(c10::intrusive_ptr<c10d::Backend> host, int rank, int size,
                                  std::chrono::milliseconds timeout)
-    : Backend(rank, size), host_(std::move(host)), timeout_(timeout) {
+    : Backend(rank, size), host_(std::move(host)), timeout_(timeout), pool_(std::make_shared<StagingPool>()) {
   TORCH_CHECK(host_, "tpu_dist: the host (gloo) backend is missing");
   TORCH_CHECK(host_->getRank() == rank && host_->getSize() == size, "tpu_dist: the host backend is rank ",
               host_->getRank(), " of ", host_->getSize(), ", this group rank ", rank, " of ", size);
@@ -225,7 +283,7 @@ void ProcessGroupTPU::setTimeout(std::chrono::milliseconds timeout) {
 
 c10::intrusive_ptr<Work> ProcessGroupTPU::broadcast(std::vector<at::Tensor>& tensors,
                                                     const c10d::BroadcastOptions& opts) {
-  Staging s{"broadcast"};
+  Staging s{"broadcast", pool_};
   const bool receives = getRank() != static_cast<int>(opts.rootRank);
   std::vector<at::Tensor> host;
   for (auto& t : tensors) host.push_back(s.InOut(t, receives));
@@ -235,7 +293,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::broadcast(std::vector<at::Tensor>& ten
 
 c10::intrusive_ptr<Work> ProcessGroupTPU::allreduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::AllreduceOptions& opts) {
-  Staging s{"allreduce"};
+  Staging s{"allreduce", pool_};
   ReduceRewrite r = Rewrite(opts.reduceOp, s.op, tensors);
   std::vector<at::Tensor> host;
   for (auto& t : tensors) {
@@ -251,7 +309,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::allreduce(std::vector<at::Tensor>& ten
 
 c10::intrusive_ptr<Work> ProcessGroupTPU::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                               const c10d::AllreduceCoalescedOptions& opts) {
-  Staging s{"allreduce_coalesced"};
+  Staging s{"allreduce_coalesced", pool_};
   ReduceRewrite r = Rewrite(opts.reduceOp, s.op, tensors);
   std::vector<at::Tensor> host;
   for (auto& t : tensors) {
@@ -267,7 +325,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::allreduce_coalesced(std::vector<at::Te
 
 c10::intrusive_ptr<Work> ProcessGroupTPU::reduce(std::vector<at::Tensor>& tensors,
                                                  const c10d::ReduceOptions& opts) {
-  Staging s{"reduce"};
+  Staging s{"reduce", pool_};
   ReduceRewrite r = Rewrite(opts.reduceOp, s.op, tensors);
   const bool root = getRank() == static_cast<int>(opts.rootRank);
   std::vector<at::Tensor> host;
@@ -290,7 +348,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::reduce(std::vector<at::Tensor>& tensor
 c10::intrusive_ptr<Work> ProcessGroupTPU::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                     std::vector<at::Tensor>& inputs,
                                                     const c10d::AllgatherOptions& opts) {
-  Staging s{"allgather"};
+  Staging s{"allgather", pool_};
   std::vector<at::Tensor> host_in;
   for (auto& t : inputs) host_in.push_back(s.In(t));
   std::vector<std::vector<at::Tensor>> host_out(outputs.size());
@@ -303,7 +361,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::allgather(std::vector<std::vector<at::
 
 c10::intrusive_ptr<Work> ProcessGroupTPU::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                           const c10d::AllgatherOptions& opts) {
-  Staging s{"_allgather_base"};
+  Staging s{"_allgather_base", pool_};
   at::Tensor host_in = s.In(input);
   at::Tensor host_out = s.Out(output);
   auto w = host_->_allgather_base(host_out, host_in, opts);
@@ -313,7 +371,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::_allgather_base(at::Tensor& output, at
 c10::intrusive_ptr<Work> ProcessGroupTPU::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                               std::vector<at::Tensor>& inputs,
                                                               const c10d::AllgatherOptions& opts) {
-  Staging s{"allgather_coalesced"};
+  Staging s{"allgather_coalesced", pool_};
   std::vector<at::Tensor> host_in;
   for (auto& t : inputs) host_in.push_back(s.In(t));
   std::vector<std::vector<at::Tensor>> host_out(outputs.size());
@@ -327,7 +385,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::allgather_coalesced(std::vector<std::v
 c10::intrusive_ptr<Work> ProcessGroupTPU::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                           std::vector<at::Tensor>& inputs,
                                                                           const c10d::AllgatherOptions& opts) {
-  Staging s{"allgather_into_tensor_coalesced"};
+  Staging s{"allgather_into_tensor_coalesced", pool_};
   std::vector<at::Tensor> host_in, host_out;
   for (auto& t : inputs) host_in.push_back(s.In(t));
   for (auto& t : outputs) host_out.push_back(s.Out(t));
@@ -338,7 +396,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::allgather_into_tensor_coalesced(std::v
 c10::intrusive_ptr<Work> ProcessGroupTPU::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                  std::vector<at::Tensor>& inputs,
                                                  const c10d::GatherOptions& opts) {
-  Staging s{"gather"};
+  Staging s{"gather", pool_};
   std::vector<at::Tensor> host_in;
   for (auto& t : inputs) host_in.push_back(s.In(t));
   std::vector<std::vector<at::Tensor>> host_out(outputs.size());
@@ -352,7 +410,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::gather(std::vector<std::vector<at::Ten
 c10::intrusive_ptr<Work> ProcessGroupTPU::scatter(std::vector<at::Tensor>& outputs,
                                                   std::vector<std::vector<at::Tensor>>& inputs,
                                                   const c10d::ScatterOptions& opts) {
-  Staging s{"scatter"};
+  Staging s{"scatter", pool_};
   std::vector<std::vector<at::Tensor>> host_in(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     for (auto& t : inputs[i]) host_in[i].push_back(s.In(t));
@@ -366,7 +424,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::scatter(std::vector<at::Tensor>& outpu
 c10::intrusive_ptr<Work> ProcessGroupTPU::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                          std::vector<std::vector<at::Tensor>>& inputs,
                                                          const c10d::ReduceScatterOptions& opts) {
-  Staging s{"reduce_scatter"};
+  Staging s{"reduce_scatter", pool_};
   ReduceRewrite r = Rewrite(opts.reduceOp, s.op, outputs);
   std::vector<std::vector<at::Tensor>> host_in(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -385,7 +443,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::reduce_scatter(std::vector<at::Tensor>
 
 c10::intrusive_ptr<Work> ProcessGroupTPU::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                const c10d::ReduceScatterOptions& opts) {
-  Staging s{"_reduce_scatter_base"};
+  Staging s{"_reduce_scatter_base", pool_};
   ReduceRewrite r = Rewrite(opts.reduceOp, s.op, {output});
   at::Tensor host_in = PreMultiply(r, s.In(input));
   at::Tensor host_out = s.Out(output);
@@ -399,7 +457,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::_reduce_scatter_base(at::Tensor& outpu
 c10::intrusive_ptr<Work> ProcessGroupTPU::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                           std::vector<at::Tensor>& inputs,
                                                                           const c10d::ReduceScatterOptions& opts) {
-  Staging s{"reduce_scatter_tensor_coalesced"};
+  Staging s{"reduce_scatter_tensor_coalesced", pool_};
   ReduceRewrite r = Rewrite(opts.reduceOp, s.op, outputs);
   std::vector<at::Tensor> host_in, host_out;
   for (auto& t : inputs) host_in.push_back(PreMultiply(r, s.In(t)));
@@ -417,7 +475,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::alltoall_base(at::Tensor& output, at::
                                                         std::vector<int64_t>& output_split_sizes,
                                                         std::vector<int64_t>& input_split_sizes,
                                                         const c10d::AllToAllOptions& opts) {
-  Staging s{"alltoall_base"};
+  Staging s{"alltoall_base", pool_};
   at::Tensor host_in = s.In(input);
   at::Tensor host_out = s.Out(output);
   auto w = host_->alltoall_base(host_out, host_in, output_split_sizes, input_split_sizes, opts);
@@ -430,7 +488,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::alltoall(std::vector<at::Tensor>& outp
   // NCCL's list form takes tensors of different sizes; gloo's alltoall needs
   // equal ones. Staged as one alltoall_base of the flattened, concatenated
   // tensors with per-peer splits (element counts), then sliced back.
-  Staging s{"alltoall"};
+  Staging s{"alltoall", pool_};
   TORCH_CHECK(static_cast<int>(inputs.size()) == getSize() && static_cast<int>(outputs.size()) == getSize(),
               "tpu_dist alltoall: expected ", getSize(), " input and output tensors, got ", inputs.size(), " and ",
               outputs.size());
@@ -462,7 +520,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::alltoall(std::vector<at::Tensor>& outp
 }
 
 c10::intrusive_ptr<Work> ProcessGroupTPU::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
-  Staging s{"send"};
+  Staging s{"send", pool_};
   std::vector<at::Tensor> host;
   for (auto& t : tensors) host.push_back(s.In(t));
   auto w = host_->send(host, dst_rank, tag);
@@ -470,7 +528,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::send(std::vector<at::Tensor>& tensors,
 }
 
 c10::intrusive_ptr<Work> ProcessGroupTPU::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
-  Staging s{"recv"};
+  Staging s{"recv", pool_};
   std::vector<at::Tensor> host;
   for (auto& t : tensors) host.push_back(s.Out(t));
   auto w = host_->recv(host, src_rank, tag);
@@ -478,7 +536,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::recv(std::vector<at::Tensor>& tensors,
 }
 
 c10::intrusive_ptr<Work> ProcessGroupTPU::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  Staging s{"recv (any source)"};
+  Staging s{"recv (any source)", pool_};
   std::vector<at::Tensor> host;
   for (auto& t : tensors) host.push_back(s.Out(t));
   auto w = host_->recvAnysource(host, tag);
@@ -487,7 +545,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::recvAnysource(std::vector<at::Tensor>&
 }
 
 c10::intrusive_ptr<Work> ProcessGroupTPU::barrier(const c10d::BarrierOptions& opts) {
-  Staging s{"barrier"};
+  Staging s{"barrier", pool_};
   auto w = host_->barrier(opts);
   return Make(getRank(), OpType::BARRIER, {w}, std::move(s));
 }

@@ -32,10 +32,13 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace torch_tpu::distributed {
+
+class StagingPool;  // process_group.cpp: reused host staging buffers
 
 class ProcessGroupTPU : public c10d::Backend {
  public:
@@ -96,6 +99,7 @@ class ProcessGroupTPU : public c10d::Backend {
  private:
   c10::intrusive_ptr<c10d::Backend> host_;
   std::chrono::milliseconds timeout_;
+  std::shared_ptr<StagingPool> pool_;
 };
 
 }  // namespace torch_tpu::distributed
