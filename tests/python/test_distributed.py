@@ -541,3 +541,46 @@ def test_ddp_torchrun_matches_single_process():
         pytest.fail(f"torchrun still running after {JOB_TIMEOUT_S} s:\n{out[-4000:]}")
     assert proc.returncode == 0, out[-4000:]
     assert "DDP on tpu (strict)" in out and "DDP on tpu (fused)" in out and "\nOK" in out, out[-4000:]
+
+
+# --------------------------------------------------------------------------
+# FSDP2 under torchrun, against a single-process run
+
+
+def _torchrun(script, *args, timeout=JOB_TIMEOUT_S):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), os.path.join(root, "examples", script), *args]
+    env = {**os.environ, "TORCH_TPU_CPU_DEVICES": "2", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun {script} still running after {timeout} s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def fsdp_run():
+    return _torchrun("fsdp_train.py", "--steps", "4")
+
+
+def test_fsdp2_matches_single_process(fsdp_run):
+    """fully_shard per Linear and on the root, meta init + to_empty("tpu"),
+    reshard_after_forward, Adam: per-step losses within 1e-5 relative of the
+    single-process CPU run."""
+    rc, out = fsdp_run
+    assert rc == 0 and "LOSSES OK" in out, out[-4000:]
+
+
+@pytest.mark.xfail(strict=True, reason="untyped_storage().resize_(0) does not free tpu storage "
+                   "(csrc/aten/hooks.cpp resizePrivateUse1Bytes only checks the size), so FSDP2's "
+                   "unsharded parameters stay allocated")
+def test_fsdp2_sharded_memory(fsdp_run):
+    rc, out = fsdp_run
+    line = next(ln for ln in out.splitlines() if "MEMORY RATIO" in ln)
+    ratio = float(line.rsplit(" ", 1)[1])
+    assert ratio <= 0.6, f"per-rank params + optimizer state {ratio:.3f}x the unsharded model's"
