@@ -125,6 +125,11 @@ def _collective_cases():
             if dname == "bool" and name in ("reduce_scatter", "reduce_scatter_tensor", "all_reduce_coalesced"):
                 continue  # gloo's reduce_scatter has no bool kernel; checked against gloo below in its own case
             cases.append(f"{name}-{dname}")
+        # cpu tensors given to tpu_dist (init_process_group("tpu_dist") maps cpu to it)
+        for name in ("cpu_all_reduce", "cpu_all_reduce_avg", "cpu_all_to_all"):
+            if name == "cpu_all_reduce_avg" and dname in ("int64", "bool"):
+                continue
+            cases.append(f"{name}-{dname}")
     return cases
 
 
@@ -142,6 +147,28 @@ def _run_case(case, rank, world, tpu_group, cpu_group):
         return [t.cpu() for t in f(dev, tpu_group)], f(torch.device("cpu"), cpu_group)
 
     x = _values((3, 5), dtype, seed)
+    if name.startswith("cpu_"):
+        # the same cpu values through tpu_dist's group and through gloo's
+        def f(d, g):
+            t = x.clone()
+            if name == "cpu_all_reduce":
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+                return [t]
+            if name == "cpu_all_reduce_avg":
+                if g is cpu_group:
+                    dist.all_reduce(t, group=g)
+                    return [t.div_(world)]
+                dist.all_reduce(t, op=dist.ReduceOp.AVG, group=g)
+                return [t]
+            outs = [torch.zeros((1 + rank, 5), dtype=dtype) for _ in range(world)]
+            ins = [x[:1 + j] for j in range(world)]
+            if g is cpu_group:
+                out = torch.cat(outs)
+                dist.all_to_all_single(out, torch.cat(ins), [1 + rank] * world, [1 + j for j in range(world)], group=g)
+                return list(out.split(1 + rank))
+            dist.all_to_all(outs, ins, group=g)
+            return outs
+        return f(None, tpu_group), f(None, cpu_group)
     if name == "all_reduce":
         op = parts[1]
         if op == "PREMUL_SUM":
@@ -304,6 +331,12 @@ def _collectives_worker(rank, world, args):
             report[case] = "ok"
         except Exception as e:  # noqa: BLE001 - one entry per case
             report[case] = f"{type(e).__name__}: {e}"
+    # bad input: AVG of integers names the collective and the dtype
+    try:
+        dist.all_reduce(torch.ones(3, dtype=torch.int64, device="tpu"), op=dist.ReduceOp.AVG)
+        report["_avg_int_error"] = "no error"
+    except RuntimeError as e:
+        report["_avg_int_error"] = str(e).splitlines()[0]
     # the backend behind each device of the default group
     pg = dist.group.WORLD
     report["_backends"] = {d: type(pg._get_backend(torch.device(d))).__name__ for d in ("tpu", "cpu")}
@@ -322,6 +355,11 @@ def collective_reports(request, tmp_path_factory):
 def test_collective_matches_gloo(collective_reports, case):
     for rank, report in enumerate(collective_reports):
         assert report[case] == "ok", f"rank {rank}: {case}: {report[case]}"
+
+
+def test_avg_of_integers_raises(collective_reports):
+    msg = collective_reports[0]["_avg_int_error"]
+    assert "tpu_dist allreduce: ReduceOp.AVG needs floating point tensors, got Long" in msg, msg
 
 
 def test_backend_map(collective_reports):
