@@ -10,8 +10,8 @@ compared with gloo's SUM divided / pre-multiplied on CPU).
 
 Tiers: the default run (about 2 minutes on 2 cores) checks the collectives
 in strict mode, a 1-D DeviceMesh, failures and DDP (strict and fused);
-TORCH_TPU_DIST_FULL=1 adds the collectives in fused mode and a 4-rank 2-D
-DeviceMesh with sub-groups.
+TORCH_TPU_DIST_FULL=1 adds the collectives in fused mode, a 4-rank 2-D
+DeviceMesh with sub-groups and two torchrun "nodes" on localhost.
 """
 from __future__ import annotations
 
@@ -622,3 +622,29 @@ def test_fsdp2_sharded_memory(fsdp_run):
     line = next(ln for ln in out.splitlines() if "MEMORY RATIO" in ln)
     ratio = float(line.rsplit(" ", 1)[1])
     assert ratio <= 0.6, f"per-rank params + optimizer state {ratio:.3f}x the unsharded model's"
+
+
+@full_tier
+def test_two_nodes_on_localhost():
+    """torchrun --nnodes 2 --node-rank R --rdzv-endpoint 127.0.0.1:PORT, one
+    process per "node" (LOCAL_RANK 0 on both): DDP matches the single-process run."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    port = _free_port()
+    env = {**os.environ, "TORCH_TPU_CPU_DEVICES": "2", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node",
+         "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+         os.path.join(root, "examples", "ddp_train.py"), "--steps", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=JOB_TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.communicate()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert "\nOK" in outs[0] or "\nOK" in outs[1], outs[0][-3000:]
