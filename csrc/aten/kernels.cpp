@@ -218,7 +218,17 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst_logical, bool n
       host = host.expand(dst.sizes()).contiguous();
       hlo::ElementType e = lowering::ToElementType(dst.scalar_type());
       int64_t dims[] = {dst.numel()};
-      StorageOf(dst).Set({rt.Upload(host.data_ptr(), e, dims, dst.device().index()), e, dst.numel(), "copy from cpu"});
+      auto& storage = StorageOf(dst);
+      if (!storage.pending() && storage.current().buffer && storage.current().element == e &&
+          storage.current().numel == dst.numel()) {
+        runtime::StorageBuffer current = storage.current();
+        storage.Set({});  // the storage's own reference only, for the holder count
+        bool in_place = rt.OverwriteInPlace(current, host.data_ptr(), host.nbytes());
+        current.producer = "copy from cpu";
+        storage.Set(std::move(current));
+        if (in_place) return dst_logical;
+      }
+      storage.Set({rt.Upload(host.data_ptr(), e, dims, dst.device().index()), e, dst.numel(), "copy from cpu"});
       return dst_logical;
     }
     host = host.contiguous();
@@ -238,8 +248,14 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst_logical, bool n
     // below resolves them.
     at::Tensor stored = PhysicalView(src);
     at::Tensor whole = IsWholeStorage(stored) ? stored : at::clone(stored, at::MemoryFormat::Contiguous);
-    at::Tensor host = at::empty(whole.sizes(), whole.options().device(at::kCPU));
     hlo::ElementType e = lowering::ToElementType(whole.scalar_type());
+    if (!src.is_conj() && !src.is_neg() && !dst.is_conj() && !dst.is_neg() && dst.is_contiguous() &&
+        dst.scalar_type() == src.scalar_type() && dst.sizes() == src.sizes()) {
+      // Straight into dst: no temporary, no second copy, no fresh pages.
+      rt.Download(StorageOf(whole).Materialize(e), dst.data_ptr(), dst.nbytes());
+      return dst;
+    }
+    at::Tensor host = at::empty(whole.sizes(), whole.options().device(at::kCPU));
     rt.Download(StorageOf(whole).Materialize(e), host.data_ptr(), host.nbytes());
     host.unsafeGetTensorImpl()->_set_conj(src.is_conj());
     host.unsafeGetTensorImpl()->_set_neg(src.is_neg());

@@ -588,3 +588,45 @@ def test_untyped_storage_resize_to_a_partial_element_then_typed_read_raises():
                        torch.arange(4, dtype=torch.float32).view(torch.uint8)[:7])
     with pytest.raises(RuntimeError, match="cannot be read as f32"):
         torch.empty(0, device="tpu").set_(s, 0, (1,)).cpu()
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "debug"])
+def test_copy_from_cpu_into_a_whole_storage_leaves_earlier_readers_their_values(mode):
+    """A host->tpu copy_ into a whole storage may overwrite its buffer in
+    place (CPU plugin): ops issued before it (recorded, in flight, or kept by
+    debug mode) still see the old values; views of the storage see the new."""
+    g = torch.Generator().manual_seed(3)
+    old, new = torch.randn(1 << 18, generator=g), torch.randn(1 << 18, generator=g)
+    with torch_tpu.eager_mode(mode):
+        a = old.to("tpu") + 0
+        view = a[5:9]
+        b = a * 2  # issued before the copy
+        c = a.amax()
+        a.copy_(new)
+        d = a * 3  # after
+        assert torch.equal(b.cpu(), old * 2)
+        assert torch.equal(c.cpu(), old.amax())
+        assert torch.equal(a.cpu(), new) and torch.equal(view.cpu(), new[5:9])
+        assert torch.equal(d.cpu(), new * 3)
+        a.copy_(old)  # again, now nothing else reads it
+        assert torch.equal(a.cpu(), old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_copy_to_cpu_into_existing_tensors(dtype):
+    """tpu->host copy_ into a contiguous CPU tensor of the same dtype (the
+    direct download), and into ones that are not (strided, other dtype,
+    broadcast), against the CPU copy_."""
+    src = _sample(dtype, (64, 33))
+    d = src.to("tpu")
+    for dst_cpu in [torch.empty(64, 33, dtype=dtype), torch.empty(33, 64, dtype=dtype).t(),
+                    torch.empty(64, 33, dtype=torch.float64)]:
+        ref = dst_cpu.clone().copy_(src)
+        dst_cpu.copy_(d)
+        assert torch.equal(dst_cpu, ref)
+    out = torch.empty(64, 33, dtype=dtype)
+    out.copy_(d[:, 1:2])  # a broadcast view
+    assert torch.equal(out, src[:, 1:2].expand(64, 33))
+    out = torch.empty(33, dtype=dtype)
+    out.copy_(d[3])  # a view of part of the storage
+    assert torch.equal(out, src[3])
