@@ -115,6 +115,17 @@ def _user_frame() -> str:
 
 _C._set_user_frame_hook(_user_frame)
 
+
+def _register_distributed() -> None:
+    """torch.distributed backend "tpu_dist" (alias "tpu") for device tpu:
+    see torch_tpu/distributed/__init__.py and docs/distributed.md."""
+    from . import distributed as _distributed
+
+    _distributed.register()
+
+
+_register_distributed()
+
 EAGER_MODES = ("strict", "debug", "fused")
 
 

@@ -30,8 +30,8 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   }
   c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex d) const override { return exchangeDevice(d); }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
-    TORCH_CHECK(newsize <= storage.nbytes(), "resizing tpu storages in place is not supported (",
-                storage.nbytes(), " -> ", newsize, " bytes)");
+    // UntypedStorage.resize_: a byte storage, so bytes when it holds none.
+    ResizeStorageBytes(storage, newsize, at::kByte);
   }
 };
 

@@ -92,26 +92,41 @@ std::vector<char> StorageBytes(const c10::Storage& storage, at::ScalarType dtype
   return bytes;
 }
 
-// Grows the storage to `nbytes`, keeping its contents (PyTorch's resize_
-// keeps the old elements).
-void GrowStorage(const at::Tensor& self, size_t nbytes) {
-  c10::Storage storage = self.storage();
-  if (nbytes <= storage.nbytes()) return;
-  std::vector<char> old = StorageBytes(storage, self.scalar_type());
-  c10::DataPtr fresh = TpuAllocator()->allocate(nbytes);
-  auto* ds = static_cast<runtime::DeviceStorage*>(fresh.get_context());
-  hlo::ElementType e = lowering::ToElementType(self.scalar_type());
+}  // namespace
+
+void ResizeStorageBytes(const c10::Storage& storage_ref, size_t nbytes, at::ScalarType dtype) {
+  runtime::FlushPendingWork();  // recorded ops saw the old buffer and size
+  c10::Storage storage = storage_ref;
+  if (nbytes == storage.nbytes()) return;
+  auto* ds = static_cast<runtime::DeviceStorage*>(storage.data_ptr().get_context());
+  hlo::ElementType e = lowering::ToElementType(dtype);
+  std::vector<char> old;
+  if (nbytes > 0 && storage.nbytes() > 0 && ds && ds->initialized()) {
+    // Elements keep the storage's type where the new size holds whole ones.
+    hlo::ElementType held = ds->Materialize(ds->current().element).element;
+    if (nbytes % runtime::ElementSize(held) == 0) e = held;
+    old = StorageBytes(storage, dtype);
+  }
   size_t esize = runtime::ElementSize(e);
-  int64_t numel = static_cast<int64_t>(nbytes / esize);
+  TORCH_CHECK(nbytes % esize == 0, "resizing a tpu storage to ", nbytes, " bytes: not a whole number of ",
+              hlo::MlirName(e), " elements (", esize, " bytes each)");
+  // The new storage is counted before the old one is freed, as CUDA's
+  // resize allocates, copies and then frees.
+  c10::DeviceGuard guard(storage.device());  // the allocator allocates on the current device
+  c10::DataPtr fresh = TpuAllocator()->allocate(nbytes);
+  auto* fresh_ds = static_cast<runtime::DeviceStorage*>(fresh.get_context());
   if (!old.empty()) {
-    std::vector<char> bytes(static_cast<size_t>(numel) * esize, 0);
+    int64_t numel = static_cast<int64_t>(nbytes / esize);
+    std::vector<char> bytes(nbytes, 0);
     std::memcpy(bytes.data(), old.data(), std::min(old.size(), bytes.size()));
     int64_t dims[] = {numel};
-    ds->Set({Runtime::Get().Upload(bytes.data(), e, dims, self.device().index()), e, numel, "resize_"});
+    fresh_ds->Set({Runtime::Get().Upload(bytes.data(), e, dims, fresh.device().index()), e, numel, "resize_"});
   }
   storage.set_data_ptr_noswap(std::move(fresh));
   storage.set_nbytes(nbytes);
 }
+
+namespace {
 
 const at::Tensor& Resize(const at::Tensor& self, c10::IntArrayRef size,
                          std::optional<at::MemoryFormat> memory_format) {
@@ -125,7 +140,7 @@ const at::Tensor& Resize(const at::Tensor& self, c10::IntArrayRef size,
   int64_t numel = c10::multiply_integers(size);
   size_t nbytes = numel == 0 ? 0
                              : static_cast<size_t>(numel + self.storage_offset()) * self.dtype().itemsize();
-  GrowStorage(self, nbytes);
+  if (nbytes > self.storage().nbytes()) ResizeStorageBytes(self.storage(), nbytes, self.scalar_type());
   impl->set_sizes_contiguous(size);
   if (memory_format) impl->empty_tensor_restride(*memory_format);
   return self;
@@ -137,7 +152,8 @@ at::Tensor& SetStorage(at::Tensor& self, c10::Storage source, c10::SymInt storag
   auto* impl = self.unsafeGetTensorImpl();
   impl->set_storage_keep_dtype(std::move(source));
   impl->set_storage_offset(storage_offset.expect_int());
-  impl->set_sizes_and_strides(C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
+  if (stride.empty() && !size.empty()) impl->set_sizes_contiguous(C10_AS_INTARRAYREF_SLOW(size));  // stride=None
+  else impl->set_sizes_and_strides(C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
   return self;
 }
 
@@ -222,7 +238,17 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst_logical, bool n
       host = host.expand(dst.sizes()).contiguous();
       hlo::ElementType e = lowering::ToElementType(dst.scalar_type());
       int64_t dims[] = {dst.numel()};
-      StorageOf(dst).Set({rt.Upload(host.data_ptr(), e, dims, dst.device().index()), e, dst.numel(), "copy from cpu"});
+      auto& storage = StorageOf(dst);
+      if (!storage.pending() && storage.current().buffer && storage.current().element == e &&
+          storage.current().numel == dst.numel()) {
+        runtime::StorageBuffer current = storage.current();
+        storage.Set({});  // the storage's own reference only, for the holder count
+        bool in_place = rt.OverwriteInPlace(current, host.data_ptr(), host.nbytes());
+        current.producer = "copy from cpu";
+        storage.Set(std::move(current));
+        if (in_place) return dst_logical;
+      }
+      storage.Set({rt.Upload(host.data_ptr(), e, dims, dst.device().index()), e, dst.numel(), "copy from cpu"});
       return dst_logical;
     }
     host = host.contiguous();
@@ -242,8 +268,14 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst_logical, bool n
     // below resolves them.
     at::Tensor stored = PhysicalView(src);
     at::Tensor whole = IsWholeStorage(stored) ? stored : at::clone(stored, at::MemoryFormat::Contiguous);
-    at::Tensor host = at::empty(whole.sizes(), whole.options().device(at::kCPU));
     hlo::ElementType e = lowering::ToElementType(whole.scalar_type());
+    if (!src.is_conj() && !src.is_neg() && !dst.is_conj() && !dst.is_neg() && dst.is_contiguous() &&
+        dst.scalar_type() == src.scalar_type() && dst.sizes() == src.sizes()) {
+      // Straight into dst: no temporary, no second copy, no fresh pages.
+      rt.Download(StorageOf(whole).Materialize(e), dst.data_ptr(), dst.nbytes());
+      return dst;
+    }
+    at::Tensor host = at::empty(whole.sizes(), whole.options().device(at::kCPU));
     rt.Download(StorageOf(whole).Materialize(e), host.data_ptr(), host.nbytes());
     host.unsafeGetTensorImpl()->_set_conj(src.is_conj());
     host.unsafeGetTensorImpl()->_set_neg(src.is_neg());

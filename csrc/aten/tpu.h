@@ -4,6 +4,7 @@
 #include <ATen/core/Generator.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
+#include <c10/core/Storage.h>
 
 namespace torch_tpu::aten {
 
@@ -18,6 +19,16 @@ c10::DeviceIndex DeviceCount();
 // generator.cpp
 const at::Generator& DefaultGenerator(c10::DeviceIndex index);
 at::Generator NewGenerator(c10::DeviceIndex index);
+
+// kernels.cpp: sets a tpu storage's size to `nbytes` (Tensor.resize_ when
+// it grows, UntypedStorage.resize_). A sync point: the fused region is run
+// first. The old buffer is released (resize_(0) frees it:
+// torch.tpu.memory_allocated() drops by the old size) and the first
+// min(old, new) bytes are kept, the rest zero (PyTorch leaves them
+// uninitialized). Elements keep the stored type when `nbytes` holds whole
+// ones, else take `dtype`'s; raises RuntimeError if `nbytes` is not a whole
+// number of them, or torch.OutOfMemoryError if the new size does not fit.
+void ResizeStorageBytes(const c10::Storage& storage, size_t nbytes, at::ScalarType dtype);
 
 // fallback.cpp: registers the boxed kernel directly for every ATen op that
 // has a lowering (called once when torch_tpu._C loads).

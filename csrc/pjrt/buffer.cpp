@@ -100,25 +100,61 @@ bool Buffer::ToHostDirect(void* dst, size_t nbytes) const {
   if (on_device_size_in_bytes() != nbytes || !IsDenseRowMajor(p, buffer_)) {
     return false;
   }
+  void* data = AcquireHostPointer();
+  if (data == nullptr) return false;
+  std::memcpy(dst, data, nbytes);
+  ReleaseHostPointer();
+  return true;
+}
+
+void* Buffer::AcquireHostPointer() const {
+  const Plugin& p = *plugin_;
   PJRT_Buffer_IncreaseExternalReferenceCount_Args inc{};
   inc.buffer = buffer_;
   TORCH_TPU_PJRT_CALL(p, PJRT_Buffer_IncreaseExternalReferenceCount, inc);
   PJRT_Buffer_OpaqueDeviceMemoryDataPointer_Args ptr{};
   ptr.buffer = buffer_;
-  PJRT_Buffer_DecreaseExternalReferenceCount_Args dec{};
-  dec.buffer = buffer_;
   try {
     TORCH_TPU_PJRT_CALL(p, PJRT_Buffer_OpaqueDeviceMemoryDataPointer, ptr);
   } catch (...) {
-    TORCH_TPU_PJRT_CALL_NOTHROW(p, PJRT_Buffer_DecreaseExternalReferenceCount,
-                                dec);
+    ReleaseHostPointer();
     throw;
   }
-  if (ptr.device_memory_ptr != nullptr) {
-    std::memcpy(dst, ptr.device_memory_ptr, nbytes);
+  if (ptr.device_memory_ptr == nullptr) ReleaseHostPointer();
+  return ptr.device_memory_ptr;
+}
+
+void Buffer::ReleaseHostPointer() const {
+  PJRT_Buffer_DecreaseExternalReferenceCount_Args dec{};
+  dec.buffer = buffer_;
+  TORCH_TPU_PJRT_CALL(*plugin_, PJRT_Buffer_DecreaseExternalReferenceCount, dec);
+}
+
+bool Buffer::FromHostInPlace(const void* src, size_t nbytes) {
+  const Plugin& p = *plugin_;
+  if (nbytes == 0 || !TORCH_TPU_PJRT_HAS(p, PJRT_Buffer_IsOnCpu) ||
+      !TORCH_TPU_PJRT_HAS(p, PJRT_Buffer_OpaqueDeviceMemoryDataPointer) ||
+      !TORCH_TPU_PJRT_HAS(p, PJRT_Buffer_IncreaseExternalReferenceCount) ||
+      !TORCH_TPU_PJRT_HAS(p, PJRT_Buffer_DecreaseExternalReferenceCount)) {
+    return false;
   }
-  TORCH_TPU_PJRT_CALL(p, PJRT_Buffer_DecreaseExternalReferenceCount, dec);
-  return ptr.device_memory_ptr != nullptr;
+  PJRT_Buffer_IsOnCpu_Args on_cpu{};
+  on_cpu.buffer = buffer_;
+  TORCH_TPU_PJRT_CALL(p, PJRT_Buffer_IsOnCpu, on_cpu);
+  if (!on_cpu.is_on_cpu) return false;
+  auto ready = ReadyEvent();
+  if (!ready->IsReady()) return false;
+  try {
+    ready->Await();  // a failed producer: leave the buffer (and its error) alone
+  } catch (const Error&) {
+    return false;
+  }
+  if (on_device_size_in_bytes() != nbytes || !IsDenseRowMajor(p, buffer_)) return false;
+  void* data = AcquireHostPointer();
+  if (data == nullptr) return false;
+  std::memcpy(data, src, nbytes);
+  ReleaseHostPointer();
+  return true;
 }
 
 void Buffer::ToHost(void* dst, size_t nbytes) const {

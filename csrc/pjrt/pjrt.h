@@ -119,11 +119,23 @@ class Buffer {
   // ToHost always through PJRT_Buffer_ToHostBuffer, without the direct copy
   // that ToHost makes from buffers the plugin reports on the CPU.
   void ToHostViaPlugin(void* dst, size_t nbytes) const;
+  // Overwrites the buffer's nbytes with src's, in place, where the plugin's
+  // buffers are host memory (PJRT_Buffer_IsOnCpu: the XLA CPU plugin): a
+  // memcpy into memory already touched, instead of a fresh allocation.
+  // Returns false, writing nothing, unless the buffer is on the CPU, ready
+  // (not failed), dense row-major and exactly nbytes long. PJRT buffers are
+  // otherwise immutable: the caller guarantees that nothing else holds or
+  // reads this one (no other owner, no in-flight execution).
+  bool FromHostInPlace(const void* src, size_t nbytes);
   // Event that becomes ready when the buffer's data is ready (or failed).
   std::unique_ptr<Event> ReadyEvent() const;
 
  private:
   bool ToHostDirect(void* dst, size_t nbytes) const;
+  // The buffer's host memory, pinned by an external reference until
+  // ReleaseHostPointer; nullptr where the plugin cannot give it.
+  void* AcquireHostPointer() const;
+  void ReleaseHostPointer() const;
   std::shared_ptr<Plugin> plugin_;
   PJRT_Buffer* buffer_;
 };

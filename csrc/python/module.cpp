@@ -18,6 +18,9 @@ namespace py = pybind11;
 using torch_tpu::runtime::Runtime;
 
 void BindGraphProgram(py::module& m);  // graph_bindings.cpp
+namespace torch_tpu::distributed {
+void Bind(py::module& m);  // distributed/python.cpp
+}
 
 namespace {
 
@@ -148,4 +151,5 @@ PYBIND11_MODULE(_C, m) {
     return s.initialized() ? std::string(torch_tpu::hlo::MlirName(s.current().element)) : std::string();
   });
   BindGraphProgram(m);
+  torch_tpu::distributed::Bind(m);
 }

@@ -283,6 +283,13 @@ std::shared_ptr<pjrt::Buffer> Runtime::ScalarBuffer(const void* bytes, hlo::Elem
   return scalars_.back().second;
 }
 
+bool Runtime::OverwriteInPlace(StorageBuffer& buffer, const void* data, size_t nbytes) {
+  if (!buffer.buffer || buffer.buffer.use_count() != 1 || !Idle()) return false;
+  if (!buffer.buffer->FromHostInPlace(data, nbytes)) return false;
+  metrics_.host_to_device_bytes += static_cast<int64_t>(nbytes);
+  return true;
+}
+
 void Runtime::Download(const StorageBuffer& buffer, void* dst, size_t nbytes) {
   metrics_.device_to_host_bytes += static_cast<int64_t>(nbytes);
   try {

@@ -130,6 +130,15 @@ class Runtime {
   // other repeated scalars cost no transfer).
   std::shared_ptr<pjrt::Buffer> ScalarBuffer(const void* bytes, hlo::ElementType element, int device_index);
 
+  // Host data (dense, row-major, exactly the buffer's nbytes) written into
+  // `buffer`'s existing device buffer in place, where that is safe: the
+  // storage is the buffer's only holder (use_count 1: no other storage,
+  // pending check or kept debug input), no tracked launch is running (none
+  // can be reading it) and the plugin's buffers are host memory
+  // (pjrt::Buffer::FromHostInPlace). Returns false, changing nothing,
+  // otherwise; the caller then uploads a new buffer. Saves the fresh
+  // allocation's page faults of an Upload on the CPU plugin.
+  bool OverwriteInPlace(StorageBuffer& buffer, const void* data, size_t nbytes);
   // Device buffer -> host, blocking; an execution error is rethrown naming
   // `producer`.
   void Download(const StorageBuffer& buffer, void* dst, size_t nbytes);

@@ -526,3 +526,107 @@ def _legacy_round_trip(t, map_location):
     torch.save(t, f, _use_new_zipfile_serialization=False)
     f.seek(0)
     return torch.load(f, map_location=map_location)
+
+
+def _storage_values(storage, dtype, n, device):
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (n,)).cpu()
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_untyped_storage_resize_frees_and_reallocates_like_cpu(mode, dtype):
+    """UntypedStorage.resize_ as on CPU: resize_(0) frees the buffer
+    (memory_allocated drops by its size), resize_(n) of an empty storage
+    allocates n bytes, shrinking and growing keep the prefix (FSDP2 frees
+    and re-allocates unsharded parameters this way)."""
+    src = _sample(dtype, (64,))
+    n, size = 64, src.element_size()
+    with torch_tpu.eager_mode(mode):
+        x = src.to("tpu")
+        base = torch.tpu.memory_allocated()
+        cpu = src.clone()
+        t = x + 0  # pending in fused mode: the resize runs the region first
+        st, sc = t.untyped_storage(), cpu.untyped_storage()
+        assert torch.tpu.memory_allocated() - base == n * size
+        for nbytes in [40 * size, 80 * size]:  # shrink, then grow: the first 40 elements survive
+            st.resize_(nbytes)
+            sc.resize_(nbytes)
+            assert st.nbytes() == sc.nbytes() == nbytes
+            assert torch.tpu.memory_allocated() - base == nbytes
+            assert torch.equal(_storage_values(st, dtype, 40, "tpu"), _storage_values(sc, dtype, 40, "cpu"))
+        st.resize_(0)
+        sc.resize_(0)
+        assert st.nbytes() == sc.nbytes() == 0
+        assert torch.tpu.memory_allocated() == base
+        st.resize_(n * size)
+        assert st.nbytes() == n * size and torch.tpu.memory_allocated() - base == n * size
+        # Written through the tensor that still owns the storage, as FSDP2 does.
+        t.copy_(x * 2)
+        assert torch.equal(t.cpu(), src * 2)
+        del t, st
+        torch.tpu.synchronize()
+        assert torch.tpu.memory_allocated() == base
+
+
+def test_untyped_storage_resize_reads_pending_fused_work():
+    """A resize is a sync point: an op recorded in a fused region before the
+    resize reads the storage's old contents."""
+    with torch_tpu.eager_mode("fused"):
+        a = torch.arange(8, dtype=torch.float32, device="tpu") + 1
+        b = a * 3  # recorded: reads a's storage
+        a.untyped_storage().resize_(0)
+        assert torch.equal(b.cpu(), (torch.arange(8, dtype=torch.float32) + 1) * 3)
+        assert a.untyped_storage().nbytes() == 0
+
+
+def test_untyped_storage_resize_to_a_partial_element_then_typed_read_raises():
+    t = torch.arange(4, dtype=torch.float32, device="tpu") + 0
+    s = t.untyped_storage()
+    s.resize_(7)  # the bytes are kept as bytes: 7 is not a whole number of f32
+    assert s.nbytes() == 7
+    assert torch.equal(torch.empty(0, dtype=torch.uint8, device="tpu").set_(s, 0, (7,)).cpu(),
+                       torch.arange(4, dtype=torch.float32).view(torch.uint8)[:7])
+    with pytest.raises(RuntimeError, match="cannot be read as f32"):
+        torch.empty(0, device="tpu").set_(s, 0, (1,)).cpu()
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "debug"])
+def test_copy_from_cpu_into_a_whole_storage_leaves_earlier_readers_their_values(mode):
+    """A host->tpu copy_ into a whole storage may overwrite its buffer in
+    place (CPU plugin): ops issued before it (recorded, in flight, or kept by
+    debug mode) still see the old values; views of the storage see the new."""
+    g = torch.Generator().manual_seed(3)
+    old, new = torch.randn(1 << 18, generator=g), torch.randn(1 << 18, generator=g)
+    with torch_tpu.eager_mode(mode):
+        a = old.to("tpu") + 0
+        view = a[5:9]
+        b = a * 2  # issued before the copy
+        c = a.amax()
+        a.copy_(new)
+        d = a * 3  # after
+        assert torch.equal(b.cpu(), old * 2)
+        assert torch.equal(c.cpu(), old.amax())
+        assert torch.equal(a.cpu(), new) and torch.equal(view.cpu(), new[5:9])
+        assert torch.equal(d.cpu(), new * 3)
+        a.copy_(old)  # again, now nothing else reads it
+        assert torch.equal(a.cpu(), old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_copy_to_cpu_into_existing_tensors(dtype):
+    """tpu->host copy_ into a contiguous CPU tensor of the same dtype (the
+    direct download), and into ones that are not (strided, other dtype,
+    broadcast), against the CPU copy_."""
+    src = _sample(dtype, (64, 33))
+    d = src.to("tpu")
+    for dst_cpu in [torch.empty(64, 33, dtype=dtype), torch.empty(33, 64, dtype=dtype).t(),
+                    torch.empty(64, 33, dtype=torch.float64)]:
+        ref = dst_cpu.clone().copy_(src)
+        dst_cpu.copy_(d)
+        assert torch.equal(dst_cpu, ref)
+    out = torch.empty(64, 33, dtype=dtype)
+    out.copy_(d[:, 1:2])  # a broadcast view
+    assert torch.equal(out, src[:, 1:2].expand(64, 33))
+    out = torch.empty(33, dtype=dtype)
+    out.copy_(d[3])  # a view of part of the storage
+    assert torch.equal(out, src[3])

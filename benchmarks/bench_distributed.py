@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""all_reduce bus bandwidth, 2 ranks on localhost, measured side by side in one run.
+
+For each size (default 1 MB and 64 MB of float32): ``dist.all_reduce`` of a
+tpu tensor through tpu_dist (host-staged: tpu -> host, gloo, host -> tpu,
+timed until the result is back in the tpu tensor: ``torch.tpu.synchronize``)
+and of a CPU tensor of the same size through a gloo group. Prints the median
+time of --iters calls after --warmup, the bus bandwidth (NCCL's definition for
+all_reduce: 2 (n - 1) / n * bytes / time) and the ratio tpu / gloo (higher is
+better; the issue's target is at least 0.8x). Then the DDP training step
+(MLP 256-512-512-10, batch 64 per rank, SGD, strict mode) on 2 ranks vs the
+same DDP step on 1 rank: the ratio is the cost of the gradient all-reduce. Each rank runs with one
+intra-op thread, as torchrun sets it (OMP_NUM_THREADS=1): with a thread pool
+per rank on an oversubscribed host, the staging copies (PyTorch parallelizes
+copies above 32768 elements) spend their time in OpenMP barriers.
+
+    python benchmarks/bench_distributed.py [--sizes-mb 1 64] [--iters 10]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+
+def _ddp_step_ms(iters, warmup):
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)).to("tpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(64, 256, device="tpu")
+    y = torch.randint(0, 10, (64,), device="tpu")
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        start = time.perf_counter()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.tpu.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _worker(rank, world, store, sizes_mb, iters, warmup, out):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    import torch_tpu  # noqa: F401
+
+    torch.tpu.set_device(rank)
+    dist.init_process_group("tpu_dist", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    gloo = dist.new_group(backend="gloo")
+    rows = []
+    for mb in sizes_mb if world > 1 else []:
+        n = int(mb * 2**20) // 4
+        timings = {}
+        for name, device, group in (("tpu host-staged", "tpu", None), ("gloo cpu", "cpu", gloo)):
+            t = torch.ones(n, device=device)
+            times = []
+            for i in range(warmup + iters):
+                dist.barrier(group=gloo)
+                start = time.perf_counter()
+                dist.all_reduce(t, group=group)
+                if device == "tpu":
+                    torch.tpu.synchronize()
+                if i >= warmup:
+                    times.append(time.perf_counter() - start)
+            timings[name] = statistics.median(times)
+            # the values are still right after warmup + iters sums of ones
+            assert t[:4].cpu().tolist() == [float(world ** (warmup + iters))] * 4 or n == 0
+        rows.append({"mb": mb, **timings})
+    ddp_ms = _ddp_step_ms(iters, warmup + 1)
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"rows": rows, "ddp_ms": ddp_ms}, f)
+
+
+def _launch(world, args, tmp):
+    out = os.path.join(tmp, f"result{world}.json")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, f"store{world}"), args.sizes_mb,
+                                               args.iters, args.warmup, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(600)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if any(p.exitcode != 0 for p in procs) or not os.path.exists(out):
+        raise SystemExit(f"bench_distributed: a rank failed: {[p.exitcode for p in procs]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 64])
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    world = 2
+    os.environ["TORCH_TPU_CPU_DEVICES"] = str(world)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        two = _launch(world, args, tmp)
+        one = _launch(1, args, tmp)
+    rows = two["rows"]
+    factor = 2 * (world - 1) / world
+    print(f"all_reduce float32, {world} ranks on localhost, median of {args.iters} calls")
+    print("| size | tpu host-staged (ms) | gloo cpu (ms) | tpu busbw (GB/s) | gloo busbw (GB/s) | ratio tpu/gloo |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        nbytes = r["mb"] * 2**20
+        bw = {k: factor * nbytes / r[k] / 1e9 for k in ("tpu host-staged", "gloo cpu")}
+        print(f"| {r['mb']:g} MB | {r['tpu host-staged'] * 1e3:.2f} | {r['gloo cpu'] * 1e3:.2f} | "
+              f"{bw['tpu host-staged']:.2f} | {bw['gloo cpu']:.2f} | "
+              f"{bw['tpu host-staged'] / bw['gloo cpu']:.2f}x |")
+    print()
+    print("DDP training step (MLP 256-512-512-10, batch 64 per rank, SGD, strict), median ms")
+    print("| ranks | ms per step | ratio to 1 rank |")
+    print("|---|---|---|")
+    print(f"| 1 | {one['ddp_ms']:.2f} | 1.00x |")
+    print(f"| {world} | {two['ddp_ms']:.2f} | {two['ddp_ms'] / one['ddp_ms']:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

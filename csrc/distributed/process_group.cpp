@@ -1,0 +1,553 @@
+// ProcessGroupTPU, host-staged transport: see process_group.h.
+#include "distributed/process_group.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <utility>
+
+namespace torch_tpu::distributed {
+namespace {
+
+using c10d::OpType;
+using c10d::Work;
+using WorkPtr = c10::intrusive_ptr<Work>;
+
+bool OnTpu(const at::Tensor& t) { return t.device().type() == c10::DeviceType::PrivateUse1; }
+
+void CheckDevice(const at::Tensor& t, const char* op) {
+  TORCH_CHECK(t.device().is_cpu() || OnTpu(t), "tpu_dist ", op, ": a tensor is on ", t.device(),
+              "; the tpu_dist backend takes tpu and cpu tensors");
+}
+
+}  // namespace
+
+// Host staging buffers, reused: a fresh multi-megabyte CPU tensor per
+// collective costs its page faults every time (64 MB: ~3x gloo's own
+// all_reduce on this 2-core host). A buffer is taken for one collective and
+// returned when its Work finished (the copy back to tpu has read it:
+// uploads copy during the call, kImmutableOnlyDuringCall). At most
+// kMaxIdleBytes of idle buffers are kept.
+class StagingPool {
+ public:
+  static constexpr int64_t kMaxIdleBytes = int64_t{256} << 20;
+
+  at::Tensor Acquire(at::ScalarType dtype, int64_t numel) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = idle_.find({dtype, numel});
+      if (it != idle_.end() && !it->second.empty()) {
+        at::Tensor t = std::move(it->second.back());
+        it->second.pop_back();
+        idle_bytes_ -= t.nbytes();
+        return t;
+      }
+    }
+    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(at::kCPU));
+  }
+
+  void Release(std::vector<at::Tensor> buffers) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& t : buffers) {
+      if (idle_bytes_ + static_cast<int64_t>(t.nbytes()) > kMaxIdleBytes) continue;
+      idle_bytes_ += t.nbytes();
+      idle_[{t.scalar_type(), t.numel()}].push_back(std::move(t));
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<std::pair<at::ScalarType, int64_t>, std::vector<at::Tensor>> idle_;
+  int64_t idle_bytes_ = 0;
+};
+
+namespace {
+
+// What one collective stages: host tensors handed to gloo, the host results
+// to write back into tpu (or caller-owned cpu) tensors, host-side steps run
+// after gloo finished (AVG's division), and the tensors the future holds.
+struct Staging {
+  const char* op;
+  std::shared_ptr<StagingPool> pool;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // (destination, host result)
+  std::vector<std::function<void()>> after;                  // run before copy_back
+  std::vector<at::Tensor> outputs;
+  std::vector<at::Tensor> pooled;  // returned to the pool when the Work finished
+
+  // A contiguous host buffer of t's dtype and sizes from the pool.
+  at::Tensor HostBuffer(const at::Tensor& t) {
+    at::Tensor flat = pool->Acquire(t.scalar_type(), t.numel());
+    pooled.push_back(flat);
+    return flat.view(t.sizes());
+  }
+  // Input only: a host copy of a tpu tensor (waits for its pending work).
+  at::Tensor In(const at::Tensor& t) {
+    CheckDevice(t, op);
+    if (!OnTpu(t)) return t;
+    at::Tensor host = HostBuffer(t);
+    host.copy_(t);
+    return host;
+  }
+  // Output only: a host buffer, written back into t after the collective.
+  at::Tensor Out(const at::Tensor& t, bool write_back = true) {
+    CheckDevice(t, op);
+    outputs.push_back(t);
+    if (!OnTpu(t)) return t;
+    at::Tensor host = HostBuffer(t);
+    if (write_back) copy_back.emplace_back(t, host);
+    return host;
+  }
+  // Read and written in place (allreduce, broadcast, reduce).
+  at::Tensor InOut(const at::Tensor& t, bool write_back = true) {
+    at::Tensor host = In(t);
+    outputs.push_back(t);
+    if (OnTpu(t) && write_back) copy_back.emplace_back(t, host);
+    return host;
+  }
+};
+
+// AVG and PREMUL_SUM (NCCL's ops; gloo has neither) become SUM here:
+// PREMUL_SUM multiplies the host inputs by the factor first, AVG divides the
+// host results by the group size afterwards. Both need floating point.
+struct ReduceRewrite {
+  c10d::ReduceOp op;
+  bool average = false;
+  std::optional<double> factor;
+  at::Tensor tensor_factor;
+};
+
+ReduceRewrite Rewrite(const c10d::ReduceOp& op, const char* name, const std::vector<at::Tensor>& tensors) {
+  ReduceRewrite r{op};
+  if (op.op_ != c10d::ReduceOp::AVG && op.op_ != c10d::ReduceOp::PREMUL_SUM) return r;
+  for (const auto& t : tensors) {
+    TORCH_CHECK(at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()), "tpu_dist ", name,
+                ": ReduceOp.", op.op_ == c10d::ReduceOp::AVG ? "AVG" : "PREMUL_SUM",
+                " needs floating point tensors, got ", t.scalar_type());
+  }
+  if (op.op_ == c10d::ReduceOp::AVG) {
+    r.average = true;
+  } else {
+    auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+    TORCH_CHECK(sup != nullptr, "tpu_dist ", name, ": ReduceOp.PREMUL_SUM without a factor");
+    if (sup->tensor_factor.defined()) {
+      r.tensor_factor = sup->tensor_factor.to(at::kCPU);
+    } else {
+      r.factor = sup->double_factor;
+    }
+  }
+  r.op = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  return r;
+}
+
+// PREMUL_SUM: a fresh host tensor (never the caller's cpu tensor in place).
+at::Tensor PreMultiply(const ReduceRewrite& r, const at::Tensor& host) {
+  if (r.factor) return host.mul(*r.factor);
+  if (r.tensor_factor.defined()) return host.mul(r.tensor_factor.to(host.scalar_type()));
+  return host;
+}
+
+bool Premultiplies(const ReduceRewrite& r) { return r.factor.has_value() || r.tensor_factor.defined(); }
+
+// An in-place reduction's host tensor under PREMUL_SUM: the pre-multiplied
+// copy is what gloo reduces, so the result is written back from it (into the
+// tpu tensor, or into the caller's cpu tensor).
+at::Tensor PremulInPlace(Staging& s, const ReduceRewrite& r, const at::Tensor& dst, at::Tensor host,
+                         bool write_back) {
+  if (!Premultiplies(r)) return host;
+  at::Tensor scaled = PreMultiply(r, host);
+  for (auto& [d, h] : s.copy_back) {
+    if (h.is_same(host)) h = scaled;
+  }
+  if (!OnTpu(dst) && write_back) s.copy_back.emplace_back(dst, scaled);
+  return scaled;
+}
+
+void AverageAfter(Staging& s, const ReduceRewrite& r, const at::Tensor& host, int size) {
+  if (!r.average) return;
+  s.after.push_back([host, size] { host.div_(size); });
+}
+
+// The Work of one host-staged collective (see process_group.h for wait,
+// isCompleted and getFuture).
+class StagedWork : public Work {
+ public:
+  StagedWork(int rank, OpType type, std::vector<WorkPtr> host_works, Staging staging,
+             std::function<int()> source_rank = nullptr)
+      : Work(rank, type),
+        host_works_(std::move(host_works)),
+        staging_(std::move(staging)),
+        source_rank_(std::move(source_rank)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(finish_mutex_);
+    if (done_) return true;
+    for (auto& w : host_works_) {
+      if (!w->isCompleted()) return false;
+    }
+    FinishLocked(::kNoTimeout, /*rethrow=*/false);
+    return true;
+  }
+
+  bool isSuccess() const override {
+    std::lock_guard<std::mutex> lock(finish_mutex_);
+    return done_ && error_ == nullptr;
+  }
+
+  std::exception_ptr exception() const override {
+    std::lock_guard<std::mutex> lock(finish_mutex_);
+    return error_;
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::lock_guard<std::mutex> lock(finish_mutex_);
+    FinishLocked(timeout, /*rethrow=*/true);
+    return true;
+  }
+
+  int sourceRank() const override {
+    TORCH_CHECK(source_rank_ != nullptr, "tpu_dist ", staging_.op, ": sourceRank() is only defined for recv from any source");
+    return source_rank_();
+  }
+
+  std::vector<at::Tensor> result() override { return staging_.outputs; }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    std::lock_guard<std::mutex> lock(finish_mutex_);
+    FinishLocked(::kNoTimeout, /*rethrow=*/false);
+    return future_;
+  }
+
+  void synchronize() override { wait(::kNoTimeout); }
+
+ private:
+  void FinishLocked(std::chrono::milliseconds timeout, bool rethrow) {
+    if (!done_) {
+      try {
+        for (auto& w : host_works_) w->wait(timeout);
+        for (auto& step : staging_.after) step();
+        for (auto& [dst, host] : staging_.copy_back) dst.copy_(host);
+      } catch (const std::exception& e) {
+        error_ = std::make_exception_ptr(c10::DistBackendError(
+            {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+            c10::str("tpu_dist ", staging_.op, " failed on rank ", rank_,
+                     " (host-staged transport over gloo): ", e.what())));
+      }
+      done_ = true;
+      staging_.pool->Release(std::move(staging_.pooled));
+      staging_.pooled.clear();
+      if (error_) {
+        future_->setError(error_);
+      } else {
+        future_->markCompleted(c10::IValue(staging_.outputs));
+      }
+    }
+    if (error_ && rethrow) std::rethrow_exception(error_);
+  }
+
+  std::vector<WorkPtr> host_works_;
+  Staging staging_;
+  std::function<int()> source_rank_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  mutable std::mutex finish_mutex_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+WorkPtr Make(int rank, OpType type, std::vector<WorkPtr> works, Staging staging) {
+  return c10::make_intrusive<StagedWork>(rank, type, std::move(works), std::move(staging));
+}
+
+}  // namespace
+
+ProcessGroupTPU::ProcessGroupTPU(c10::intrusive_ptr<c10d::Backend> host, int rank, int size,
+                                 std::chrono::milliseconds timeout)
+    : Backend(rank, size), host_(std::move(host)), timeout_(timeout), pool_(std::make_shared<StagingPool>()) {
+  TORCH_CHECK(host_, "tpu_dist: the host (gloo) backend is missing");
+  TORCH_CHECK(host_->getRank() == rank && host_->getSize() == size, "tpu_dist: the host backend is rank ",
+              host_->getRank(), " of ", host_->getSize(), ", this group rank ", rank, " of ", size);
+}
+
+void ProcessGroupTPU::setTimeout(std::chrono::milliseconds timeout) {
+  timeout_ = timeout;
+  host_->setTimeout(timeout);
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::broadcast(std::vector<at::Tensor>& tensors,
+                                                    const c10d::BroadcastOptions& opts) {
+  Staging s{"broadcast", pool_};
+  const bool receives = getRank() != static_cast<int>(opts.rootRank);
+  std::vector<at::Tensor> host;
+  for (auto& t : tensors) host.push_back(s.InOut(t, receives));
+  auto w = host_->broadcast(host, opts);
+  return Make(getRank(), OpType::BROADCAST, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::allreduce(std::vector<at::Tensor>& tensors,
+                                                    const c10d::AllreduceOptions& opts) {
+  Staging s{"allreduce", pool_};
+  ReduceRewrite r = Rewrite(opts.reduceOp, s.op, tensors);
+  std::vector<at::Tensor> host;
+  for (auto& t : tensors) {
+    at::Tensor h = PremulInPlace(s, r, t, s.InOut(t), true);
+    AverageAfter(s, r, h, getSize());
+    host.push_back(h);
+  }
+  c10d::AllreduceOptions o = opts;
+  o.reduceOp = r.op;
+  auto w = host_->allreduce(host, o);
+  return Make(getRank(), OpType::ALLREDUCE, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                              const c10d::AllreduceCoalescedOptions& opts) {
+  Staging s{"allreduce_coalesced", pool_};
+  ReduceRewrite r = Rewrite(opts.reduceOp, s.op, tensors);
+  std::vector<at::Tensor> host;
+  for (auto& t : tensors) {
+    at::Tensor h = PremulInPlace(s, r, t, s.InOut(t), true);
+    AverageAfter(s, r, h, getSize());
+    host.push_back(h);
+  }
+  c10d::AllreduceCoalescedOptions o = opts;
+  o.reduceOp = r.op;
+  auto w = host_->allreduce_coalesced(host, o);
+  return Make(getRank(), OpType::ALLREDUCE_COALESCED, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::reduce(std::vector<at::Tensor>& tensors,
+                                                 const c10d::ReduceOptions& opts) {
+  Staging s{"reduce", pool_};
+  ReduceRewrite r = Rewrite(opts.reduceOp, s.op, tensors);
+  const bool root = getRank() == static_cast<int>(opts.rootRank);
+  std::vector<at::Tensor> host;
+  for (auto& t : tensors) {
+    at::Tensor h = s.InOut(t, root);
+    if (Premultiplies(r)) {
+      h = PremulInPlace(s, r, t, h, root);
+    } else if (!root && !OnTpu(t)) {
+      h = h.clone();  // gloo may use a non-root buffer as scratch; the caller's stays as it was
+    }
+    if (root) AverageAfter(s, r, h, getSize());
+    host.push_back(h);
+  }
+  c10d::ReduceOptions o = opts;
+  o.reduceOp = r.op;
+  auto w = host_->reduce(host, o);
+  return Make(getRank(), OpType::REDUCE, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                    std::vector<at::Tensor>& inputs,
+                                                    const c10d::AllgatherOptions& opts) {
+  Staging s{"allgather", pool_};
+  std::vector<at::Tensor> host_in;
+  for (auto& t : inputs) host_in.push_back(s.In(t));
+  std::vector<std::vector<at::Tensor>> host_out(outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    for (auto& t : outputs[i]) host_out[i].push_back(s.Out(t));
+  }
+  auto w = host_->allgather(host_out, host_in, opts);
+  return Make(getRank(), OpType::ALLGATHER, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                          const c10d::AllgatherOptions& opts) {
+  Staging s{"_allgather_base", pool_};
+  at::Tensor host_in = s.In(input);
+  at::Tensor host_out = s.Out(output);
+  auto w = host_->_allgather_base(host_out, host_in, opts);
+  return Make(getRank(), OpType::_ALLGATHER_BASE, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                              std::vector<at::Tensor>& inputs,
+                                                              const c10d::AllgatherOptions& opts) {
+  Staging s{"allgather_coalesced", pool_};
+  std::vector<at::Tensor> host_in;
+  for (auto& t : inputs) host_in.push_back(s.In(t));
+  std::vector<std::vector<at::Tensor>> host_out(outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    for (auto& t : outputs[i]) host_out[i].push_back(s.Out(t));
+  }
+  auto w = host_->allgather_coalesced(host_out, host_in, opts);
+  return Make(getRank(), OpType::ALLGATHER_COALESCED, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                          std::vector<at::Tensor>& inputs,
+                                                                          const c10d::AllgatherOptions& opts) {
+  Staging s{"allgather_into_tensor_coalesced", pool_};
+  std::vector<at::Tensor> host_in, host_out;
+  for (auto& t : inputs) host_in.push_back(s.In(t));
+  for (auto& t : outputs) host_out.push_back(s.Out(t));
+  auto w = host_->allgather_into_tensor_coalesced(host_out, host_in, opts);
+  return Make(getRank(), OpType::COALESCED, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                 std::vector<at::Tensor>& inputs,
+                                                 const c10d::GatherOptions& opts) {
+  Staging s{"gather", pool_};
+  std::vector<at::Tensor> host_in;
+  for (auto& t : inputs) host_in.push_back(s.In(t));
+  std::vector<std::vector<at::Tensor>> host_out(outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    for (auto& t : outputs[i]) host_out[i].push_back(s.Out(t));
+  }
+  auto w = host_->gather(host_out, host_in, opts);
+  return Make(getRank(), OpType::GATHER, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::scatter(std::vector<at::Tensor>& outputs,
+                                                  std::vector<std::vector<at::Tensor>>& inputs,
+                                                  const c10d::ScatterOptions& opts) {
+  Staging s{"scatter", pool_};
+  std::vector<std::vector<at::Tensor>> host_in(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    for (auto& t : inputs[i]) host_in[i].push_back(s.In(t));
+  }
+  std::vector<at::Tensor> host_out;
+  for (auto& t : outputs) host_out.push_back(s.Out(t));
+  auto w = host_->scatter(host_out, host_in, opts);
+  return Make(getRank(), OpType::SCATTER, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                                         const c10d::ReduceScatterOptions& opts) {
+  Staging s{"reduce_scatter", pool_};
+  ReduceRewrite r = Rewrite(opts.reduceOp, s.op, outputs);
+  std::vector<std::vector<at::Tensor>> host_in(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    for (auto& t : inputs[i]) host_in[i].push_back(PreMultiply(r, s.In(t)));
+  }
+  std::vector<at::Tensor> host_out;
+  for (auto& t : outputs) {
+    host_out.push_back(s.Out(t));
+    AverageAfter(s, r, host_out.back(), getSize());
+  }
+  c10d::ReduceScatterOptions o = opts;
+  o.reduceOp = r.op;
+  auto w = host_->reduce_scatter(host_out, host_in, o);
+  return Make(getRank(), OpType::REDUCE_SCATTER, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                               const c10d::ReduceScatterOptions& opts) {
+  Staging s{"_reduce_scatter_base", pool_};
+  ReduceRewrite r = Rewrite(opts.reduceOp, s.op, {output});
+  at::Tensor host_in = PreMultiply(r, s.In(input));
+  at::Tensor host_out = s.Out(output);
+  AverageAfter(s, r, host_out, getSize());
+  c10d::ReduceScatterOptions o = opts;
+  o.reduceOp = r.op;
+  auto w = host_->_reduce_scatter_base(host_out, host_in, o);
+  return Make(getRank(), OpType::_REDUCE_SCATTER_BASE, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                          std::vector<at::Tensor>& inputs,
+                                                                          const c10d::ReduceScatterOptions& opts) {
+  Staging s{"reduce_scatter_tensor_coalesced", pool_};
+  ReduceRewrite r = Rewrite(opts.reduceOp, s.op, outputs);
+  std::vector<at::Tensor> host_in, host_out;
+  for (auto& t : inputs) host_in.push_back(PreMultiply(r, s.In(t)));
+  for (auto& t : outputs) {
+    host_out.push_back(s.Out(t));
+    AverageAfter(s, r, host_out.back(), getSize());
+  }
+  c10d::ReduceScatterOptions o = opts;
+  o.reduceOp = r.op;
+  auto w = host_->reduce_scatter_tensor_coalesced(host_out, host_in, o);
+  return Make(getRank(), OpType::COALESCED, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                        std::vector<int64_t>& output_split_sizes,
+                                                        std::vector<int64_t>& input_split_sizes,
+                                                        const c10d::AllToAllOptions& opts) {
+  Staging s{"alltoall_base", pool_};
+  at::Tensor host_in = s.In(input);
+  at::Tensor host_out = s.Out(output);
+  auto w = host_->alltoall_base(host_out, host_in, output_split_sizes, input_split_sizes, opts);
+  return Make(getRank(), OpType::ALLTOALL_BASE, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::alltoall(std::vector<at::Tensor>& outputs,
+                                                   std::vector<at::Tensor>& inputs,
+                                                   const c10d::AllToAllOptions& opts) {
+  // NCCL's list form takes tensors of different sizes; gloo's alltoall needs
+  // equal ones. Staged as one alltoall_base of the flattened, concatenated
+  // tensors with per-peer splits (element counts), then sliced back.
+  Staging s{"alltoall", pool_};
+  TORCH_CHECK(static_cast<int>(inputs.size()) == getSize() && static_cast<int>(outputs.size()) == getSize(),
+              "tpu_dist alltoall: expected ", getSize(), " input and output tensors, got ", inputs.size(), " and ",
+              outputs.size());
+  const auto dtype = inputs[0].scalar_type();
+  std::vector<at::Tensor> flat_in;
+  std::vector<int64_t> in_splits, out_splits;
+  for (auto& t : inputs) {
+    TORCH_CHECK(t.scalar_type() == dtype, "tpu_dist alltoall: tensors of dtypes ", dtype, " and ", t.scalar_type());
+    flat_in.push_back(s.In(t).reshape({-1}));
+    in_splits.push_back(t.numel());
+  }
+  int64_t total = 0;
+  for (auto& t : outputs) {
+    CheckDevice(t, s.op);
+    TORCH_CHECK(t.scalar_type() == dtype, "tpu_dist alltoall: tensors of dtypes ", dtype, " and ", t.scalar_type());
+    out_splits.push_back(t.numel());
+    total += t.numel();
+  }
+  at::Tensor host_in = at::cat(flat_in);
+  at::Tensor host_out = at::empty({total}, inputs[0].options().device(at::kCPU));
+  int64_t offset = 0;
+  for (auto& t : outputs) {
+    s.copy_back.emplace_back(t, host_out.narrow(0, offset, t.numel()).view(t.sizes()));
+    s.outputs.push_back(t);
+    offset += t.numel();
+  }
+  auto w = host_->alltoall_base(host_out, host_in, out_splits, in_splits, opts);
+  return Make(getRank(), OpType::ALLTOALL, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
+  Staging s{"send", pool_};
+  std::vector<at::Tensor> host;
+  for (auto& t : tensors) host.push_back(s.In(t));
+  auto w = host_->send(host, dst_rank, tag);
+  return Make(getRank(), OpType::SEND, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
+  Staging s{"recv", pool_};
+  std::vector<at::Tensor> host;
+  for (auto& t : tensors) host.push_back(s.Out(t));
+  auto w = host_->recv(host, src_rank, tag);
+  return Make(getRank(), OpType::RECV, {w}, std::move(s));
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  Staging s{"recv (any source)", pool_};
+  std::vector<at::Tensor> host;
+  for (auto& t : tensors) host.push_back(s.Out(t));
+  auto w = host_->recvAnysource(host, tag);
+  return c10::make_intrusive<StagedWork>(getRank(), OpType::RECVANYSOURCE, std::vector<WorkPtr>{w}, std::move(s),
+                                         [w] { return w->sourceRank(); });
+}
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::barrier(const c10d::BarrierOptions& opts) {
+  Staging s{"barrier", pool_};
+  auto w = host_->barrier(opts);
+  return Make(getRank(), OpType::BARRIER, {w}, std::move(s));
+}
+
+}  // namespace torch_tpu::distributed

@@ -1,0 +1,105 @@
+// torch_tpu distributed layer: the c10d backend "tpu_dist" for device tpu.
+//
+// ProcessGroupTPU is a c10d::Backend (PyTorch's own collective engine calls
+// it through ProcessGroup::getBackend(tpu)). This file holds its
+// host-staged transport: every collective copies its tpu tensors to host
+// tensors (the copy waits for the tensors' pending tpu work, strict or
+// fused), runs the same collective on an internal gloo backend built from
+// the same store (created by torch_tpu/distributed/__init__.py, under the
+// store prefix "tpu_dist_host/"), and, when the Work is waited on, copies
+// the host results back into the tpu tensors' storages (in place, as PyTorch
+// requires: an output tensor keeps its identity, strides and storage).
+//
+// CPU tensors given to this backend (init_process_group("tpu_dist") maps cpu
+// to it as well, so barrier() and CPU collectives work) go to gloo directly.
+//
+// Semantics follow PyTorch's ProcessGroupGloo / ProcessGroupNCCL:
+// - ReduceOp SUM, PRODUCT, MIN, MAX, BAND/BOR/BXOR as gloo does; AVG (NCCL's;
+//   gloo has none) = SUM then division by the group size, floating point
+//   only; PREMUL_SUM (NCCL's, factor a double or a 1-element tensor) =
+//   inputs multiplied by the factor on host, then SUM, floating point only.
+// - Work: wait() blocks until gloo finished and the results are in the tpu
+//   tensors (raising c10::DistBackendError naming the collective, the rank
+//   and the transport if gloo failed or timed out: the group's timeout);
+//   isCompleted() is true once that has happened (it finishes the copy back
+//   when gloo is done); getFuture() finishes the work on the calling thread
+//   and returns a completed future holding the output tensors (the copy back
+//   runs tpu ops, which stay on the thread that issued the collective).
+// Errors: a tensor on a device other than tpu/cpu, AVG/PREMUL_SUM on
+// integer or bool tensors: c10::Error naming the collective.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch_tpu::distributed {
+
+class StagingPool;  // process_group.cpp: reused host staging buffers
+
+class ProcessGroupTPU : public c10d::Backend {
+ public:
+  // host: a gloo backend over the same ranks (rank, size), built from a
+  // prefix of this group's store. timeout: the group's timeout (reported).
+  ProcessGroupTPU(c10::intrusive_ptr<c10d::Backend> host, int rank, int size,
+                  std::chrono::milliseconds timeout);
+
+  const std::string getBackendName() const override { return "tpu_dist"; }
+  const c10::intrusive_ptr<c10d::Backend>& host() const { return host_; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  void setTimeout(std::chrono::milliseconds timeout) override;
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> host_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<StagingPool> pool_;
+};
+
+}  // namespace torch_tpu::distributed

@@ -1,0 +1,29 @@
+// Python binding of the distributed layer: torch_tpu._C._distributed.
+// ProcessGroupTPU is exposed as a subclass of torch's c10d Backend (the
+// pybind type registered by torch._C._distributed_c10d), so the object
+// returned to torch.distributed is a Backend it can register for "tpu".
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/python.h>
+#include <pybind11/chrono.h>
+
+#include "distributed/process_group.h"
+
+namespace py = pybind11;
+
+namespace torch_tpu::distributed {
+
+void Bind(py::module& parent) {
+  py::module::import("torch._C._distributed_c10d");  // registers the Backend base type
+  py::module m = parent.def_submodule("_distributed", "tpu_dist: the c10d backend for device tpu");
+  py::class_<ProcessGroupTPU, c10d::Backend, c10::intrusive_ptr<ProcessGroupTPU>>(m, "ProcessGroupTPU")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& host, int rank, int size,
+                       std::chrono::milliseconds timeout) {
+             return c10::make_intrusive<ProcessGroupTPU>(host, rank, size, timeout);
+           }),
+           py::arg("host"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+           "ProcessGroupTPU(host: gloo Backend over the same ranks, rank, size, timeout: timedelta)")
+      .def_property_readonly("host", &ProcessGroupTPU::host, "the internal gloo backend (host-staged transport)");
+}
+
+}  // namespace torch_tpu::distributed
