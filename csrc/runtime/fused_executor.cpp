@@ -139,6 +139,7 @@ class FusedExecutor {
       }
     }
     calls_.push_back(std::move(rc));
+    SetPendingWork(true);  // from now on every storage read flushes first (Materialize)
     stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
     for (auto& v : returns) stack->push_back(std::move(v));
     if (calls_.size() >= MaxOps()) FlushLocked();
@@ -179,6 +180,7 @@ class FusedExecutor {
         self->key_.clear();
         self->ids_.seen.clear();
         self->flushing_ = false;
+        SetPendingWork(false);
         ReleaseKeptStorages();
       }
     } reset{this};
