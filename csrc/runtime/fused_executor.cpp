@@ -115,6 +115,12 @@ class FusedExecutor {
 
     RecordedCall rc{op, eager, std::vector<c10::IValue>(stack->begin() + static_cast<std::ptrdiff_t>(first),
                                                            stack->end())};
+    // CPU tensors among the arguments (0-d runtime scalars: a tensor
+    // learning rate) are read when the region runs: copy their values now,
+    // as the call would have read them (an LR scheduler's fill_ before the
+    // flush must not reach a step recorded earlier).
+    for (auto& v : rc.args)
+      if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().is_cpu()) v = v.toTensor().clone();
     // Returns: written arguments as they are, new tensors over pending
     // storages.
     std::vector<c10::IValue> returns;
