@@ -77,6 +77,92 @@ def _decompositions() -> dict:
     return table
 
 
+# --- functional _foreach_* ops: their per-tensor calls ----------------------
+
+def _element_type(t) -> str:
+    """The per-tensor type of a foreach argument: List[Tensor] -> Tensor,
+    List[number] (Scalar[]) -> number, anything else itself."""
+    s = str(t)
+    return s[5:-1] if s.startswith("List[") and s != "List[int]" else s
+
+
+def _accepts(param_type, element: str) -> bool:
+    """Whether a per-tensor parameter takes a foreach argument's element
+    as it is (a Tensor parameter a Tensor, a Scalar one a Scalar)."""
+    s = str(param_type)
+    return s == element or s == f"Optional[{element}]"
+
+
+@functools.cache
+def _foreach_element_op(target: torch._ops.OpOverload):
+    """The per-tensor ATen operator a functional ``aten._foreach_<op>`` applies
+    to each list entry, following PyTorch's slow foreach kernels
+    (aten/src/ATen/native/ForeachOpsKernels.cpp: ``_foreach_add.Scalar`` is
+    ``add(t, scalar)`` per tensor, ``_foreach_pow.ScalarAndTensor`` is
+    ``pow(scalar, t)``): the overload of ``aten.<op>`` whose parameters take
+    the foreach arguments' elements in order, returning one Tensor, with the
+    fewest parameters left to their defaults. Returns (overload, [(name,
+    kwarg_only)] per foreach argument). Raises GraphLoweringError when no
+    overload fits (``_foreach_addcdiv.Tensor``, whose 1-D ``scalars`` tensor
+    feeds a Scalar parameter, runs op by op)."""
+    schema = target._schema
+    base = schema.name.split("::")[-1][len("_foreach_"):]
+    packet = getattr(torch.ops.aten, base, None)
+    if schema.is_mutable or packet is None or len(schema.returns) != 1 or \
+            str(schema.returns[0].type) != "List[Tensor]":
+        raise GraphLoweringError(f"{_qualified_name(target)} is not a functional foreach op")
+    elements = [_element_type(a.type) for a in schema.arguments]
+    best = None
+    for name in packet.overloads():
+        op = getattr(packet, name)
+        s = op._schema
+        if s.is_mutable or len(s.returns) != 1 or str(s.returns[0].type) != "Tensor":
+            continue
+        params = [a for a in s.arguments if not (a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)]
+        if len(params) < len(elements) or not all(p.has_default_value() for p in params[len(elements):]):
+            continue
+        if not all(_accepts(p.type, e) for p, e in zip(params, elements)):
+            continue
+        if best is None or len(params) < best[0]:
+            best = (len(params), op, [(p.name, p.kwarg_only) for p in params[:len(elements)]])
+    if best is None:
+        raise GraphLoweringError(f"{_qualified_name(target)}: no per-tensor aten.{base} overload takes its arguments")
+    return best[1], best[2]
+
+
+def _foreach_calls(target: torch._ops.OpOverload, args, kwargs, vals, node):
+    """The per-tensor calls (op, args, kwargs, spec) of a functional foreach
+    node, one per list entry; args/kwargs hold graph values, `vals` the
+    node's output metadata (one tensor per entry)."""
+    op, plan = _foreach_element_op(target)
+    schema = target._schema
+    full = []
+    for k, a in enumerate(schema.arguments):  # the foreach call's arguments, defaults filled in
+        if k < len(args):
+            full.append(args[k])
+        elif a.name in kwargs:
+            full.append(kwargs[a.name])
+        elif a.has_default_value():
+            full.append(a.default_value)
+        else:
+            raise GraphLoweringError(f"node {node.format_node()}: missing argument {a.name}")
+    is_list = [str(a.type).startswith("List[") and str(a.type) != "List[int]" for a in schema.arguments]
+    lengths = {len(v) for v, l in zip(full, is_list) if l}
+    if len(lengths) != 1 or not isinstance(vals, (list, tuple)) or len(vals) not in lengths:
+        raise GraphLoweringError(f"node {node.format_node()}: lists of different lengths")
+    calls = []
+    for i in range(len(vals)):
+        pos, kw = [], {}
+        for (name, kwarg_only), value, listed in zip(plan, full, is_list):
+            v = value[i] if listed else value
+            if kwarg_only:
+                kw[name] = v
+            else:
+                pos.append(v)
+        calls.append((op, pos, kw, _spec(vals[i], node)))
+    return calls
+
+
 # --- one FX graph -> one program -------------------------------------------
 
 def _is_symbolic(x: Any) -> bool:
@@ -257,6 +343,20 @@ class _Program:
                 if not isinstance(target, torch._ops.OpOverload):
                     raise GraphLoweringError(f"node {node.format_node()} calls {target}, not an ATen operator")
                 val = node.meta.get("val")
+                qualified = _qualified_name(target)
+                if qualified.startswith("aten::_foreach_") and not _C._graph_has_lowering(qualified):
+                    # A functional foreach op (AOTAutograd's form of the
+                    # optimizers' in-place ones): its per-tensor calls.
+                    args = torch.fx.node.map_aggregate(node.args, lookup)
+                    kwargs = dict(torch.fx.node.map_aggregate(dict(node.kwargs), lookup))
+                    outs = []
+                    for op, a, kw, spec in _foreach_calls(target, args, kwargs, val, node):
+                        try:
+                            outs.extend(program.add_call(_qualified_name(op), a, kw, [spec]))
+                        except _C.GraphUnsupported as e:
+                            raise GraphLoweringError(f"node {node.format_node()} ({_qualified_name(op)}): {e}") from None
+                    env[node] = outs
+                    continue
                 returns = target._schema.returns
                 if not returns and not target._schema.is_mutable:
                     env[node] = None  # nothing to compute (metadata assertions)
