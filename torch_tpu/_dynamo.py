@@ -19,26 +19,26 @@ is needed before ``torch.compile``); ``register()`` registers it by hand
 where the package is not installed.
 
 ``TORCH_TPU_COMPILE_DEBUG=1`` prints why a graph falls back.
+
+Stages: this module (the backend) -> ``torch_tpu._precompile`` (the compile
+cache, when enabled) -> ``torch_tpu._graph`` (one FX graph -> one program);
+neither of those imports this one.
 """
 from __future__ import annotations
 
 import functools
-import operator
 import os
 import warnings
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["tpu_backend", "register", "stats", "enable_compile_cache"]
+from . import _precompile
+from ._graph import GraphLoweringError, _is_symbolic, _Program, _qualified_name, stats  # noqa: F401
+
+__all__ = ["tpu_backend", "register", "stats"]
 
 _warned: set[str] = set()
-# Graphs compiled as one program, and graphs that run op by op instead.
-stats = {"programs": 0, "eager_graphs": 0}
-
-
-class GraphLoweringError(NotImplementedError):
-    """The FX graph cannot be lowered as one program (message names the node)."""
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -49,11 +49,6 @@ def _warn_once(key: str, message: str) -> None:
 
 
 # --- decompositions ---------------------------------------------------------
-
-def _qualified_name(op: torch._ops.OpOverload) -> str:
-    schema = op._schema
-    return schema.name + ("." + schema.overload_name if schema.overload_name else "")
-
 
 @functools.cache
 def _decompositions() -> dict:
@@ -75,264 +70,6 @@ def _decompositions() -> dict:
             continue
         table[op] = fn
     return table
-
-
-# --- one FX graph -> one program -------------------------------------------
-
-def _is_symbolic(x: Any) -> bool:
-    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return True
-    if isinstance(x, torch.Tensor):
-        return any(isinstance(s, torch.SymInt) for s in x.shape)
-    return False
-
-
-def _spec(val: Any, node: torch.fx.Node) -> tuple | None:
-    if val is None:
-        return None
-    if not isinstance(val, torch.Tensor):
-        raise GraphLoweringError(f"node {node.format_node()} produces a {type(val).__name__}, not a tensor")
-    if val.device.type not in ("tpu", "cpu"):
-        raise GraphLoweringError(f"node {node.format_node()} produces a tensor on {val.device}")
-    if _is_symbolic(val):
-        raise GraphLoweringError(f"node {node.format_node()} has symbolic sizes")
-    return (val.dtype, [int(s) for s in val.shape])
-
-
-def _whole_contiguous(val: Any) -> bool:
-    try:
-        return (val.is_contiguous() and val.storage_offset() == 0
-                and val.untyped_storage().nbytes() == val.numel() * val.element_size())
-    except Exception:
-        return False
-
-
-class _Ref:
-    """A graph value in a recipe (pickles without the extension)."""
-
-    __slots__ = ("id",)
-
-    def __init__(self, id: int):
-        self.id = id
-
-    def __reduce__(self):
-        return (_Ref, (self.id,))
-
-
-class _Recording:
-    """A GraphProgram under construction and the list of calls that built
-    it (add_input, add_call, set_outputs), replayable in another process."""
-
-    def __init__(self, program):
-        self.program = program
-        self.recipe: list = []
-
-    @staticmethod
-    def _to_refs(value):
-        from . import _C
-
-        if isinstance(value, _C._GraphValue):
-            return _Ref(value.id)
-        if isinstance(value, list):
-            return [_Recording._to_refs(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(_Recording._to_refs(v) for v in value)
-        if isinstance(value, dict):
-            return {k: _Recording._to_refs(v) for k, v in value.items()}
-        return value
-
-    def add_input(self, dtype, sizes):
-        v = self.program.add_input(dtype, sizes)
-        self.recipe.append(("input", dtype, list(sizes), v.id))
-        return v
-
-    def add_call(self, op, args, kwargs, specs):
-        outs = self.program.add_call(op, args, kwargs, specs)
-        self.recipe.append(("call", op, self._to_refs(args), self._to_refs(kwargs), specs,
-                            [None if o is None else o.id for o in outs]))
-        return outs
-
-    def set_outputs(self, values):
-        self.program.set_outputs(values)
-        self.recipe.append(("outputs", [v.id for v in values]))
-
-    @staticmethod
-    def replay(name: str, recipe: list):
-        from . import _C
-
-        program = _C.GraphProgram(name)
-        values: dict[int, Any] = {}
-
-        def resolve(value):
-            if isinstance(value, _Ref):
-                return values[value.id]
-            if isinstance(value, list):
-                return [resolve(v) for v in value]
-            if isinstance(value, tuple):
-                return tuple(resolve(v) for v in value)
-            if isinstance(value, dict):
-                return {k: resolve(v) for k, v in value.items()}
-            return value
-
-        for step in recipe:
-            if step[0] == "input":
-                _, dtype, sizes, vid = step
-                values[vid] = program.add_input(dtype, sizes)
-            elif step[0] == "call":
-                _, op, args, kwargs, specs, out_ids = step
-                outs = program.add_call(op, resolve(args), resolve(kwargs), specs)
-                if len(outs) != len(out_ids):
-                    raise RuntimeError(f"replaying {op}: {len(outs)} outputs, recorded {len(out_ids)}")
-                for o, vid in zip(outs, out_ids):
-                    if vid is not None:
-                        values[vid] = o
-            elif step[0] == "outputs":
-                program.set_outputs([values[i] for i in step[1]])
-            else:
-                raise RuntimeError(f"unknown recipe step {step[0]!r}")
-        return program
-
-
-class _Program:
-    """A compiled FX graph: the program, how each graph input is fed, and how
-    the outputs are assembled."""
-
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs, name: str):
-        from . import _C
-
-        self.name = name
-        program = _Recording(_C.GraphProgram(name))
-        env: dict[torch.fx.Node, Any] = {}
-        self.input_devices: list[bool] = []   # per placeholder: needs an upload to tpu
-        self.constants: list[torch.Tensor] = []  # get_attr tensors, fed after the placeholders
-        placeholder_index = 0
-
-        def lookup(a):
-            if isinstance(a, torch.fx.Node):
-                if a not in env:
-                    raise GraphLoweringError(f"node {a.format_node()} has no graph value")
-                return env[a]
-            return a
-
-        output_plan: list = []
-        for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                val = node.meta.get("val")
-                if val is None and placeholder_index < len(example_inputs):
-                    val = example_inputs[placeholder_index]
-                placeholder_index += 1
-                if not isinstance(val, torch.Tensor):
-                    raise GraphLoweringError(f"input {node.name} is a {type(val).__name__}, not a tensor")
-                if _is_symbolic(val):
-                    raise GraphLoweringError(f"input {node.name} has symbolic sizes")
-                on_tpu = val.device.type == "tpu"
-                if not on_tpu and val.device.type != "cpu":
-                    raise GraphLoweringError(f"input {node.name} is on {val.device}")
-                # CPU inputs (scalars, data the graph moves with .to("tpu")) are
-                # uploaded at the call: the whole graph runs on tpu.
-                self.input_devices.append(not on_tpu)
-                env[node] = program.add_input(val.dtype, [int(s) for s in val.shape])
-            elif node.op == "get_attr":
-                value: Any = gm
-                for atom in str(node.target).split("."):
-                    value = getattr(value, atom, None)
-                if not isinstance(value, torch.Tensor):
-                    raise GraphLoweringError(f"get_attr {node.target} is not a tensor")
-                from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-                with unset_fake_temporarily():  # compilers run under the tracing fake mode
-                    tensor = value.detach()
-                    if tensor.device.type != "tpu":
-                        tensor = tensor.to("tpu")
-                self.constants.append(tensor)
-                env[node] = program.add_input(tensor.dtype, list(tensor.shape))
-            elif node.op == "call_function":
-                target = node.target
-                if target is operator.getitem:
-                    src = lookup(node.args[0])
-                    if not isinstance(src, (list, tuple)):
-                        raise GraphLoweringError(f"node {node.format_node()} indexes a non-sequence")
-                    env[node] = src[node.args[1]]
-                    continue
-                if not isinstance(target, torch._ops.OpOverload):
-                    raise GraphLoweringError(f"node {node.format_node()} calls {target}, not an ATen operator")
-                val = node.meta.get("val")
-                returns = target._schema.returns
-                if not returns and not target._schema.is_mutable:
-                    env[node] = None  # nothing to compute (metadata assertions)
-                    continue
-                single = len(returns) == 1 and not isinstance(returns[0].type, torch._C.ListType)
-                if single:
-                    specs = [_spec(val, node)]
-                else:
-                    if not isinstance(val, (list, tuple)):
-                        raise GraphLoweringError(f"node {node.format_node()} has no output metadata")
-                    specs = [_spec(v, node) for v in val]
-                if target is torch.ops.aten.as_strided.default:
-                    src = node.args[0]
-                    if not (isinstance(src, torch.fx.Node) and _whole_contiguous(src.meta.get("val"))):
-                        raise GraphLoweringError(f"node {node.format_node()}: as_strided of a view")
-                args = torch.fx.node.map_aggregate(node.args, lookup)
-                kwargs = dict(torch.fx.node.map_aggregate(dict(node.kwargs), lookup))
-                if target is torch.ops.aten._to_copy.default:
-                    # Devices are tags here: every value lives on tpu; graph
-                    # outputs on CPU are copied to the host after the run.
-                    kwargs.pop("device", None)
-                try:
-                    outs = program.add_call(_qualified_name(target), args, kwargs, specs)
-                except _C.GraphUnsupported as e:
-                    raise GraphLoweringError(f"node {node.format_node()}: {e}") from None
-                env[node] = outs[0] if single else list(outs)
-            elif node.op == "output":
-                results = node.args[0]
-                if not isinstance(results, (list, tuple)):
-                    results = (results,)
-                values = []
-                for r in results:
-                    v = lookup(r)
-                    if v is None:
-                        output_plan.append(None)
-                    elif isinstance(v, _C._GraphValue):
-                        meta = r.meta.get("val") if isinstance(r, torch.fx.Node) else None
-                        to_host = isinstance(meta, torch.Tensor) and meta.device.type == "cpu"
-                        output_plan.append((len(values), to_host))
-                        values.append(v)
-                    else:
-                        raise GraphLoweringError(f"graph output {r} is a {type(v).__name__}")
-                program.set_outputs(values)
-            else:
-                raise GraphLoweringError(f"node {node.format_node()}: {node.op} is not supported")
-        self.output_plan = output_plan
-        self.recipe = program.recipe  # what built the program, for the compile cache
-        self.program = program.program
-        self.device = torch.device("tpu", torch.tpu.current_device())
-
-    @classmethod
-    def from_recipe(cls, name: str, recipe: list, input_devices: list, output_plan: list) -> "_Program":
-        """The program rebuilt from its recorded calls, without the FX graph."""
-        self = cls.__new__(cls)
-        self.name = name
-        self.program = _Recording.replay(name, recipe)
-        self.recipe = recipe
-        self.input_devices = list(input_devices)
-        self.constants = []
-        self.output_plan = list(output_plan)
-        self.device = torch.device("tpu", torch.tpu.current_device())
-        return self
-
-    def compile(self) -> None:
-        self.program.compile()
-
-    def __call__(self, args: list) -> list:
-        inputs = list(args)
-        args.clear()
-        for i, move in enumerate(self.input_devices):
-            if move:
-                inputs[i] = inputs[i].to(self.device)
-        if self.constants:
-            inputs.extend(self.constants)
-        outs = self.program.run(inputs)
-        return [None if k is None else (outs[k[0]].cpu() if k[1] else outs[k[0]]) for k in self.output_plan]
 
 
 def _boxed(program: _Program) -> Callable:
@@ -393,7 +130,7 @@ def _bw_compiler(gm, example_inputs):
 def _inference_compiler(gm, example_inputs):
     compiled = _compile_graph(gm, example_inputs, "inference")
     if _capture:
-        _capture[-1].append(_savable(compiled, example_inputs))
+        _capture[-1].append(_precompile.savable(compiled, example_inputs))
     return compiled
 
 
@@ -464,106 +201,9 @@ class _Specializing:
 
 # --- the compile cache (torch_tpu._precompile) ---------------------------------
 
-# One list per backend call being compiled: what its AOT graphs left to save.
+# One list per backend call being compiled: what its AOT graphs left to save
+# (torch_tpu._precompile.savable).
 _capture: list[list] = []
-_PRECOMPILE_FORMAT = 1
-
-
-def _savable(compiled: Callable, example_inputs) -> tuple | str:
-    """(recipe, input_devices, output_plan) of an inference program whose
-    AOTAutograd wrapper passes the Dynamo graph's arguments through and
-    returns its outputs unchanged; else why not."""
-    from torch._functorch._aot_autograd.schemas import OutputType
-
-    program = getattr(compiled, "program", None)
-    if program is None:
-        return "runs op by op"
-    if program.constants:
-        return "has constants"
-    context = torch._guards.TracingContext.try_get()
-    meta = getattr(context, "fw_metadata", None) if context is not None else None
-    if meta is None:
-        return "no AOTAutograd metadata"
-    if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
-        return "mutates an input"
-    if any(o.output_type != OutputType.non_alias for o in meta.output_info):
-        return "an output aliases"
-    if meta.num_intermediate_bases or meta.tokens or meta.is_rng_op_functionalized:
-        return "AOTAutograd wraps the graph"
-    from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
-
-    if any(isinstance(m, SubclassCreationMeta) for m in list(meta.subclass_inp_meta or ()) +
-           list(meta.subclass_fw_graph_out_meta or ())):
-        return "tensor subclass inputs or outputs"
-    return (program.recipe, program.input_devices, program.output_plan, [
-        (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x) for x in example_inputs])
-
-
-def _record_artifact(backend_id: str, example_inputs, captured: list) -> None:
-    """Saves the backend's program for the compile cache when its whole
-    output is one pass-through inference program."""
-    import pickle
-
-    if len(captured) != 1 or isinstance(captured[0], str):
-        return
-    recipe, input_devices, output_plan, signature = captured[0]
-    if signature != [(x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x)
-                     for x in example_inputs]:
-        return  # AOTAutograd changed the arguments (deduplicated, synthetic bases)
-    if not all(type(x) in (torch.Tensor, torch.nn.Parameter) for x in example_inputs):
-        return
-    try:
-        content = pickle.dumps({"format": _PRECOMPILE_FORMAT, "recipe": recipe, "input_devices": input_devices,
-                                "output_plan": output_plan})
-    except Exception:
-        return
-    from torch._dynamo.precompile_context import PrecompileContext
-
-    PrecompileContext.record_artifact(TpuProgramArtifact(backend_id, content))
-
-
-class _LoadedProgram:
-    """A saved backend program: rebuilt from its recipe at the first call
-    (the executable then comes from the executable cache)."""
-
-    def __init__(self, name: str, content: dict):
-        self.name = name
-        self.content = content
-        self.program: _Program | None = None
-
-    def __call__(self, *args):
-        if self.program is None:
-            c = self.content
-            self.program = _Program.from_recipe(self.name, c["recipe"], c["input_devices"], c["output_plan"])
-            self.program.compile()
-            stats["programs"] += 1
-        return self.program(list(args))
-
-
-def _artifact_class():
-    from torch._dynamo.precompile_context import BackendCacheArtifact
-
-    class TpuProgramArtifact(BackendCacheArtifact):
-        """A tpu backend's compiled graph in Dynamo's compile package."""
-
-        def after_deserialization(self):
-            import pickle
-
-            content = pickle.loads(self.content)
-            if not isinstance(content, dict) or content.get("format") != _PRECOMPILE_FORMAT:
-                raise RuntimeError("torch_tpu compile cache: unknown program format")
-            return _LoadedProgram(f"cached{self.key}", content)
-
-    TpuProgramArtifact.__module__ = __name__
-    TpuProgramArtifact.__qualname__ = "TpuProgramArtifact"
-    return TpuProgramArtifact
-
-
-def __getattr__(name):
-    if name == "TpuProgramArtifact":  # defined on first use: torch._dynamo is imported late
-        cls = globals()["TpuProgramArtifact"] = _artifact_class()
-        return cls
-    raise AttributeError(name)
 
 
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
@@ -584,7 +224,7 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     finally:
         _capture.pop()
     try:
-        _record_artifact(backend_id, example_inputs, captured)
+        _precompile.record_artifact(backend_id, example_inputs, captured)
     except Exception as e:  # the cache is best effort
         _warn_once(f"precompile:{type(e).__name__}", f"torch_tpu: cannot save a compiled graph ({e})")
     return compiled
@@ -594,8 +234,6 @@ def enable_compile_cache() -> bool:
     """Saves compiled frames under TORCH_TPU_CACHE_DIR for a warm start in
     later processes (see torch_tpu._precompile); call before torch.compile.
     The same as TORCH_TPU_COMPILE_CACHE=1."""
-    from . import _precompile
-
     return _precompile.enable()
 
 
@@ -609,6 +247,4 @@ def register() -> None:
 
 
 if os.environ.get("TORCH_TPU_COMPILE_CACHE", "0") not in ("", "0"):
-    from . import _precompile as _pc
-
-    _pc.maybe_enable_from_env()
+    _precompile.maybe_enable_from_env()

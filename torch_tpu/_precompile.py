@@ -37,6 +37,7 @@ these guards when the entry was written (see ``_filter_keeps_all``).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -45,9 +46,11 @@ import sys
 import tempfile
 import threading
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+from ._graph import _Program, stats
 
 __all__ = ["enable", "enabled", "ENV"]
 
@@ -87,7 +90,7 @@ def version_key() -> str:
     for part in (torch.__version__, sys.version, getattr(torch_tpu, "__version__", ""),
                  _file_digest(getattr(_C, "__file__", None))):
         h.update(part.encode() + b"\0")
-    for name in ("_dynamo.py", "_precompile.py"):
+    for name in ("_graph.py", "_dynamo.py", "_precompile.py"):
         try:
             with open(os.path.join(here, name), "rb") as f:
                 h.update(hashlib.sha256(f.read()).digest())
@@ -151,7 +154,7 @@ def _make_store():
     from torch._dynamo.package import DiskDynamoCache, PrecompileCacheEntry
     from torch._dynamo.precompile_context import PrecompileContext
 
-    from ._dynamo import TpuProgramArtifact
+    TpuProgramArtifact = _artifact_class()
 
     class TpuDynamoCache(DiskDynamoCache):
         """Dynamo's cache store, under TORCH_TPU_CACHE_DIR, written when a
@@ -440,10 +443,6 @@ def enable() -> bool:
     returns whether it is on. Needs TORCH_TPU_CACHE_DIR to be enabled."""
     if _state["enabled"]:
         return True
-    from . import _dynamo  # noqa: F401  (its first import enables under TORCH_TPU_COMPILE_CACHE=1)
-
-    if _state["enabled"]:
-        return True
     from torch_tpu import _C
 
     if not _C.cache_dir():
@@ -465,3 +464,108 @@ def enable() -> bool:
 def maybe_enable_from_env() -> None:
     if os.environ.get(ENV, "0") not in ("", "0"):
         enable()
+
+
+# --- the artifacts: one tpu program per saved graph ---------------------------
+
+_PRECOMPILE_FORMAT = 1
+
+
+def savable(compiled: Callable, example_inputs) -> tuple | str:
+    """(recipe, input_devices, output_plan, signature) of an inference
+    program (the tpu backend's `compiled`, run under AOTAutograd's tracing
+    context) whose
+    AOTAutograd wrapper passes the Dynamo graph's arguments through and
+    returns its outputs unchanged; else why not."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    program = getattr(compiled, "program", None)
+    if program is None:
+        return "runs op by op"
+    if program.constants:
+        return "has constants"
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None) if context is not None else None
+    if meta is None:
+        return "no AOTAutograd metadata"
+    if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
+        return "mutates an input"
+    if any(o.output_type != OutputType.non_alias for o in meta.output_info):
+        return "an output aliases"
+    if meta.num_intermediate_bases or meta.tokens or meta.is_rng_op_functionalized:
+        return "AOTAutograd wraps the graph"
+    from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
+
+    if any(isinstance(m, SubclassCreationMeta) for m in list(meta.subclass_inp_meta or ()) +
+           list(meta.subclass_fw_graph_out_meta or ())):
+        return "tensor subclass inputs or outputs"
+    return (program.recipe, program.input_devices, program.output_plan, [
+        (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x) for x in example_inputs])
+
+
+def record_artifact(backend_id: str, example_inputs, captured: list) -> None:
+    """Saves the backend's program for the compile cache when its whole
+    output is one pass-through inference program."""
+    import pickle
+
+    if len(captured) != 1 or isinstance(captured[0], str):
+        return
+    recipe, input_devices, output_plan, signature = captured[0]
+    if signature != [(x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x)
+                     for x in example_inputs]:
+        return  # AOTAutograd changed the arguments (deduplicated, synthetic bases)
+    if not all(type(x) in (torch.Tensor, torch.nn.Parameter) for x in example_inputs):
+        return
+    try:
+        content = pickle.dumps({"format": _PRECOMPILE_FORMAT, "recipe": recipe, "input_devices": input_devices,
+                                "output_plan": output_plan})
+    except Exception:
+        return
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    PrecompileContext.record_artifact(_artifact_class()(backend_id, content))
+
+
+class _LoadedProgram:
+    """A saved backend program: rebuilt from its recipe at the first call
+    (the executable then comes from the executable cache)."""
+
+    def __init__(self, name: str, content: dict):
+        self.name = name
+        self.content = content
+        self.program: _Program | None = None
+
+    def __call__(self, *args):
+        if self.program is None:
+            c = self.content
+            self.program = _Program.from_recipe(self.name, c["recipe"], c["input_devices"], c["output_plan"])
+            self.program.compile()
+            stats["programs"] += 1
+        return self.program(list(args))
+
+
+@functools.cache
+def _artifact_class():
+    from torch._dynamo.precompile_context import BackendCacheArtifact
+
+    class TpuProgramArtifact(BackendCacheArtifact):
+        """A tpu backend's compiled graph in Dynamo's compile package."""
+
+        def after_deserialization(self):
+            import pickle
+
+            content = pickle.loads(self.content)
+            if not isinstance(content, dict) or content.get("format") != _PRECOMPILE_FORMAT:
+                raise RuntimeError("torch_tpu compile cache: unknown program format")
+            return _LoadedProgram(f"cached{self.key}", content)
+
+    TpuProgramArtifact.__module__ = __name__
+    TpuProgramArtifact.__qualname__ = "TpuProgramArtifact"
+    return TpuProgramArtifact
+
+
+def __getattr__(name):
+    if name == "TpuProgramArtifact":  # defined on first use: torch._dynamo is imported late
+        cls = globals()["TpuProgramArtifact"] = _artifact_class()  # pickles by this name
+        return cls
+    raise AttributeError(name)

@@ -286,6 +286,26 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst_logical, bool n
   if (src.device() != dst_logical.device()) {
     return dst_logical.copy_(src.cpu());
   }
+  // Within a device, whole storage onto whole storage of one dtype (how
+  // AOTAutograd applies a compiled graph's input mutations: param.copy_(
+  // new_param)): dst takes src's buffer, no program. Buffers are never
+  // written in place while shared (donation requires a sole holder), so the
+  // two storages stay independent. Recorded ops must see dst's old buffer.
+  if (src.is_conj() == dst_logical.is_conj() && src.is_neg() == dst_logical.is_neg() &&
+      src.scalar_type() == dst_logical.scalar_type() && src.sizes() == dst_logical.sizes() &&
+      IsWholeStorage(src) && IsWholeStorage(dst_logical)) {
+    runtime::DeviceStorage& from = StorageOf(src);
+    hlo::ElementType e = lowering::ToElementType(src.scalar_type());
+    if (!from.pending() && from.current().buffer && from.current().element == e &&
+        from.current().numel == src.numel() && &from != &StorageOf(dst_logical)) {
+      runtime::FlushPendingWork();
+      if (!from.pending() && from.current().buffer) {
+        runtime::StorageBuffer shared = from.current();
+        StorageOf(dst_logical).Set(std::move(shared));
+        return dst_logical;
+      }
+    }
+  }
   // Within a device: the stored elements of src, conjugated/negated where
   // src's and dst's bits differ (each bit is its own inverse).
   at::Tensor value = PhysicalView(src);

@@ -3,8 +3,17 @@
 //   _fused_adam_ / _fused_adamw_ (both overloads: float lr and Tensor lr),
 //     what torch.optim.Adam/AdamW(fused=True) and Hugging Face's default
 //     optimizer ("adamw_torch_fused") call once per step for all parameters;
+//   _fused_sgd_ / _fused_adagrad_ (both overloads), SGD/Adagrad(fused=True);
 //   _amp_foreach_non_finite_check_and_unscale_ and _amp_update_scale_,
-//     what torch.amp.GradScaler calls.
+//     what torch.amp.GradScaler calls;
+//   every _foreach_* op (the foreach optimizers, zero_grad, clip_grad_norm_):
+//     PyTorch's own CompositeExplicitAutograd kernel (one ATen op per
+//     tensor), run under a OneProgramScope (RegisterForeachOps).
+//
+// Each call runs as ONE program in strict mode (runtime::OneProgramScope:
+// the fused executor records its ops and donates the written storages, so
+// parameters and moments are updated in place; a step's
+// `_foreach_add_(state_steps, 1)` and `_fused_adamw_` share the program).
 //
 // Why kernels and not lowerings: they update lists of tensors in place,
 // which the lowering context (one value per tensor argument, ctx.write for
@@ -31,8 +40,14 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <optional>
+#include <string>
+#include <type_traits>
 #include <vector>
+
+#include "aten/tpu.h"
+#include "runtime/executor.h"
 
 namespace torch_tpu::aten {
 namespace {
@@ -58,6 +73,7 @@ void FusedAdamImpl(at::TensorList params, at::TensorList grads, at::TensorList e
               n, ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), ", ", state_steps.size());
   TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n, name, ": amsgrad needs one max_exp_avg_sq per param, got ",
               max_exp_avg_sqs.size(), " for ", n);
+  runtime::OneProgramScope one_program;
   // found_inf == 1 keeps every tensor as it was.
   std::optional<at::Tensor> skip;
   if (found_inf && found_inf->defined()) skip = found_inf->to(at::kFloat).eq(1.0);
@@ -78,9 +94,15 @@ void FusedAdamImpl(at::TensorList params, at::TensorList grads, at::TensorList e
       assign(grads[i], g);
     }
     if (maximize) g = -g;
+    // 1 - beta^step as -expm1(step * log(beta)), log(beta) computed on the
+    // host in double: CPU's kernel computes the bias corrections in double
+    // on the host, and `1 - pow(beta2, step)` on the device, with beta2 a
+    // float32 scalar (0.999 is off by 1.3e-8 there), is off by 1.3e-5
+    // relative at step 1; log(beta) is small, so float32 keeps it exact to
+    // ~6e-8 relative, and so does expm1.
     at::Tensor step = state_steps[i].to(math);
-    at::Tensor bias_correction1 = 1.0 - at::pow(beta1, step);
-    at::Tensor bias_correction2_sqrt = at::sqrt(1.0 - at::pow(beta2, step));
+    at::Tensor bias_correction1 = -at::expm1(step * std::log(beta1));
+    at::Tensor bias_correction2_sqrt = at::sqrt(-at::expm1(step * std::log(beta2)));
     at::Tensor lr_value = lr_tensor && lr_tensor->defined() ? lr_tensor->to(math) : at::Tensor();
     auto times_lr = [&](const at::Tensor& x) { return lr_value.defined() ? x * lr_value : x * lr; };
     if (weight_decay != 0) {
@@ -104,6 +126,133 @@ void FusedAdamImpl(at::TensorList params, at::TensorList grads, at::TensorList e
     assign(exp_avg_sqs[i], v);
     assign(param, p);
   }
+}
+
+// found_inf == 1 keeps `dst` as it was (a select, not a host branch).
+struct Assigner {
+  std::optional<at::Tensor> skip;
+  explicit Assigner(const std::optional<at::Tensor>& found_inf) {
+    if (found_inf && found_inf->defined()) skip = found_inf->to(at::kFloat).eq(1.0);
+  }
+  void operator()(const at::Tensor& dst, const at::Tensor& value) const {
+    if (skip) {
+      dst.copy_(at::where(*skip, dst.to(value.scalar_type()), value));
+    } else {
+      dst.copy_(value);
+    }
+  }
+};
+
+// PyTorch's CPU kernel (aten/src/ATen/native/cpu/FusedSGDKernel.cpp), in
+// the opmath type:
+//   g = grad / grad_scale (written back to grad), negated if maximize
+//   g += weight_decay * param
+//   momentum != 0: buf = is_first_step ? g : momentum * buf + (1 - dampening) * g
+//                  g = nesterov ? g + momentum * buf : buf
+//   param -= lr * g
+void FusedSgdImpl(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                  double weight_decay, double momentum, const std::optional<at::Tensor>& lr_tensor, double lr,
+                  double dampening, bool nesterov, bool maximize, bool is_first_step,
+                  const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n, "_fused_sgd_: params and grads must have the same length, got ", n, " and ",
+              grads.size());
+  TORCH_CHECK(momentum == 0 || momentum_buffers.size() == n,
+              "_fused_sgd_: momentum needs one momentum buffer per param, got ", momentum_buffers.size(), " for ", n);
+  runtime::OneProgramScope one_program;
+  Assigner assign(found_inf);
+  for (size_t i = 0; i < n; ++i) {
+    const at::ScalarType math = OpMath(params[i].scalar_type());
+    at::Tensor p = params[i].to(math);
+    at::Tensor g = grads[i].to(math);
+    if (grad_scale && grad_scale->defined()) {
+      g = g / grad_scale->to(math);
+      assign(grads[i], g);
+    }
+    if (maximize) g = -g;
+    if (weight_decay != 0) g = g + p * weight_decay;
+    if (momentum != 0) {
+      at::Tensor buf = is_first_step ? g : momentum_buffers[i].to(math) * momentum + g * (1.0 - dampening);
+      assign(momentum_buffers[i], buf);
+      g = nesterov ? g + buf * momentum : buf;
+    }
+    p = lr_tensor && lr_tensor->defined() ? p - g * lr_tensor->to(math) : p - g * lr;
+    assign(params[i], p);
+  }
+}
+
+// PyTorch's CPU kernel (aten/src/ATen/native/cpu/FusedAdagradKernel.cpp),
+// in the opmath type, with `step` the value of state_steps[i] (incremented
+// by the optimizer before the call):
+//   g = grad / grad_scale (written back to grad), negated if maximize
+//   g += weight_decay * param
+//   clr = lr / (1 + (step - 1) * lr_decay)
+//   state_sum += g * g
+//   param -= clr * g / (sqrt(state_sum) + eps)
+void FusedAdagradImpl(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
+                      at::TensorList state_steps, const std::optional<at::Tensor>& lr_tensor, double lr,
+                      double lr_decay, double weight_decay, double eps, bool maximize,
+                      const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && state_sums.size() == n && state_steps.size() == n,
+              "_fused_adagrad_: params, grads, state_sums and state_steps must have the same length, got ", n, ", ",
+              grads.size(), ", ", state_sums.size(), ", ", state_steps.size());
+  runtime::OneProgramScope one_program;
+  Assigner assign(found_inf);
+  for (size_t i = 0; i < n; ++i) {
+    const at::ScalarType math = OpMath(params[i].scalar_type());
+    at::Tensor p = params[i].to(math);
+    at::Tensor g = grads[i].to(math);
+    if (grad_scale && grad_scale->defined()) {
+      g = g / grad_scale->to(math);
+      assign(grads[i], g);
+    }
+    if (maximize) g = -g;
+    if (weight_decay != 0) g = g + p * weight_decay;
+    at::Tensor decay = (state_steps[i].to(math) - 1.0) * lr_decay + 1.0;
+    at::Tensor clr = lr_tensor && lr_tensor->defined() ? lr_tensor->to(math) / decay : lr / decay;
+    at::Tensor sum = state_sums[i].to(math) + g * g;
+    at::Tensor std = at::sqrt(sum) + eps;
+    p = p - clr * (g / std);
+    assign(state_sums[i], sum);
+    assign(params[i], p);
+  }
+}
+
+template <bool kTensorLr>
+void FusedSgdKernel(at::TensorList self, at::TensorList grads, at::TensorList momentum_buffer_list,
+                    double weight_decay, double momentum, std::conditional_t<kTensorLr, const at::Tensor&, double> lr,
+                    double dampening, bool nesterov, bool maximize, bool is_first_step,
+                    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  if constexpr (kTensorLr) {
+    FusedSgdImpl(self, grads, momentum_buffer_list, weight_decay, momentum, lr, 0.0, dampening, nesterov, maximize,
+                 is_first_step, grad_scale, found_inf);
+  } else {
+    FusedSgdImpl(self, grads, momentum_buffer_list, weight_decay, momentum, std::nullopt, lr, dampening, nesterov,
+                 maximize, is_first_step, grad_scale, found_inf);
+  }
+}
+
+template <bool kTensorLr>
+void FusedAdagradKernel(at::TensorList self, at::TensorList grads, at::TensorList state_sums,
+                        at::TensorList state_steps, std::conditional_t<kTensorLr, const at::Tensor&, double> lr,
+                        double lr_decay, double weight_decay, double eps, bool maximize,
+                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  if constexpr (kTensorLr) {
+    FusedAdagradImpl(self, grads, state_sums, state_steps, lr, 0.0, lr_decay, weight_decay, eps, maximize,
+                     grad_scale, found_inf);
+  } else {
+    FusedAdagradImpl(self, grads, state_sums, state_steps, std::nullopt, lr, lr_decay, weight_decay, eps, maximize,
+                     grad_scale, found_inf);
+  }
+}
+
+// Every _foreach_* op: PyTorch's CompositeExplicitAutograd kernel (the
+// "slow" per-tensor loop, which CPU runs too), reached through the CPU
+// entry of the dispatch table, with its per-tensor ops made one program.
+void ForeachKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  runtime::OneProgramScope one_program;
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
 }
 
 // _fused_adam_ (kAdamW false) and _fused_adamw_ (true), float lr.
@@ -141,6 +290,7 @@ void NonFiniteCheckAndUnscale(at::TensorList self, at::Tensor& found_inf, const 
               "_amp_foreach_non_finite_check_and_unscale_: inv_scale and found_inf must be float32, got ",
               inv_scale.scalar_type(), " and ", found_inf.scalar_type());
   if (self.empty()) return;
+  runtime::OneProgramScope one_program;
   at::Tensor any_bad = at::zeros({}, found_inf.options().dtype(at::kBool));
   for (const at::Tensor& g : self) {
     TORCH_CHECK(at::isFloatingType(g.scalar_type()),
@@ -164,6 +314,7 @@ at::Tensor& UpdateScale(at::Tensor& self, at::Tensor& growth_tracker, const at::
               self.scalar_type());
   TORCH_CHECK(growth_tracker.scalar_type() == at::kInt, "_amp_update_scale_: growth_tracker must be int32, got ",
               growth_tracker.scalar_type());
+  runtime::OneProgramScope one_program;
   at::Tensor bad = found_inf.to(at::kFloat).reshape(self.sizes()).ne(0);
   at::Tensor next = growth_tracker + 1;
   at::Tensor grow = next.ge(growth_interval);
@@ -183,8 +334,32 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_fused_adamw_.tensor_lr", TORCH_FN(FusedAdamTensorLr<true>));
   m.impl("_fused_adam_", TORCH_FN(FusedAdamFloatLr<false>));
   m.impl("_fused_adam_.tensor_lr", TORCH_FN(FusedAdamTensorLr<false>));
+  m.impl("_fused_sgd_", TORCH_FN(FusedSgdKernel<false>));
+  m.impl("_fused_sgd_.tensor_lr", TORCH_FN(FusedSgdKernel<true>));
+  m.impl("_fused_adagrad_", TORCH_FN(FusedAdagradKernel<false>));
+  m.impl("_fused_adagrad_.tensor_lr", TORCH_FN(FusedAdagradKernel<true>));
   m.impl("_amp_foreach_non_finite_check_and_unscale_", NonFiniteCheckAndUnscale);
   m.impl("_amp_update_scale_", UpdateScale);
+}
+
+void RegisterForeachOps() {
+  static torch::Library* library = nullptr;
+  if (library) return;
+  library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::_foreach_", 0) != 0) continue;
+    auto handle = dispatcher.findOp(name);
+    if (!handle || !handle->hasSchema()) continue;
+    // Only where the CPU entry of the dispatch table is the composite kernel.
+    if (handle->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+        handle->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+        !handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd))
+      continue;
+    std::string qualified = name.name.substr(6);
+    if (!name.overload_name.empty()) qualified += "." + name.overload_name;
+    library->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&ForeachKernel>());
+  }
 }
 
 }  // namespace torch_tpu::aten

@@ -33,5 +33,8 @@ void ResizeStorageBytes(const c10::Storage& storage, size_t nbytes, at::ScalarTy
 // fallback.cpp: registers the boxed kernel directly for every ATen op that
 // has a lowering (called once when torch_tpu._C loads).
 void RegisterLoweredOpsDirectly();
+// optimizer_kernels.cpp: registers PyTorch's composite kernel of every
+// _foreach_* op for the tpu key, run as one program per call.
+void RegisterForeachOps();
 
 }  // namespace torch_tpu::aten

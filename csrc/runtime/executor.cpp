@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include "runtime/runtime.h"
+
 namespace torch_tpu::runtime {
 namespace {
 
@@ -18,6 +20,8 @@ std::atomic<int>& ModeStorage() {
   static std::atomic<int> mode{static_cast<int>(InitialMode())};
   return mode;
 }
+
+thread_local int one_program_depth = 0;  // OneProgramScope nesting on this thread
 
 std::function<std::string()>& FrameHook() {
   static std::function<std::string()> hook;
@@ -48,8 +52,15 @@ const char* ModeName(EagerMode mode) {
   return "strict";
 }
 
+OneProgramScope::OneProgramScope() { ++one_program_depth; }
+OneProgramScope::~OneProgramScope() { --one_program_depth; }
+
 void RunOp(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry) {
-  switch (CurrentMode()) {
+  const EagerMode mode = CurrentMode();
+  if (mode == EagerMode::kStrict && one_program_depth > 0) return RunFused(op, stack, entry);
+  // A region recorded under a OneProgramScope runs before any later call.
+  if (mode != EagerMode::kFused && HasPendingWork()) FlushFusedRegion();
+  switch (mode) {
     case EagerMode::kDebug: return RunDebug(op, stack, entry);
     case EagerMode::kStrict: return RunStrict(op, stack, entry);
     case EagerMode::kFused: return RunFused(op, stack, entry);

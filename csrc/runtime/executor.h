@@ -40,6 +40,26 @@ size_t FusedRegionSize();
 // Flushes the current region, then drops the compiled regions.
 void ClearFusedRegionCache();
 
+// While one lives on this thread, in strict mode, the tpu calls made run as
+// ONE program instead of one each: they are recorded by the fused executor
+// (the same recording, region key and ProgramBuilder as fused mode; written
+// storages are donated, so updates happen in place). The region runs at the
+// next call outside a scope (RunOp flushes it before running any other
+// call: program order is kept), the next read of a storage
+// (DeviceStorage::Materialize), or a sync point, so consecutive scoped
+// calls (an optimizer's `_foreach_add_(steps, 1)` and its `_fused_adamw_`)
+// share one program. Used by the multi-tensor kernels (_fused_adam(w)_,
+// _fused_sgd_, _fused_adagrad_, every _foreach_* op:
+// csrc/aten/optimizer_kernels.cpp). Debug mode runs the calls one by one
+// (it checks each); fused mode records them anyway. Nests.
+class OneProgramScope {
+ public:
+  OneProgramScope();
+  ~OneProgramScope();
+  OneProgramScope(const OneProgramScope&) = delete;
+  OneProgramScope& operator=(const OneProgramScope&) = delete;
+};
+
 // Returns "file:line (function)" of the user's code calling into torch
 // (set by the Python module; empty when unknown).
 void SetUserFrameHook(std::function<std::string()> hook);

@@ -117,6 +117,12 @@ class FusedExecutor {
     RecordedCall rc{op, eager,
                     std::vector<c10::IValue>(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end()),
                     c10::get_default_dtype()};
+    // CPU tensors among the arguments (0-d runtime scalars: a tensor
+    // learning rate) are read when the region runs: copy their values now,
+    // as the call would have read them (an LR scheduler's fill_ before the
+    // flush must not reach a step recorded earlier).
+    for (auto& v : rc.args)
+      if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().is_cpu()) v = v.toTensor().clone();
     // Returns: written arguments as they are, new tensors over pending
     // storages.
     std::vector<c10::IValue> returns;
@@ -141,6 +147,7 @@ class FusedExecutor {
       }
     }
     calls_.push_back(std::move(rc));
+    SetPendingWork(true);  // from now on every storage read flushes first (Materialize)
     stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
     for (auto& v : returns) stack->push_back(std::move(v));
     if (calls_.size() >= MaxOps()) FlushLocked();
@@ -181,6 +188,7 @@ class FusedExecutor {
         self->key_.clear();
         self->ids_.seen.clear();
         self->flushing_ = false;
+        SetPendingWork(false);
         ReleaseKeptStorages();
       }
     } reset{this};

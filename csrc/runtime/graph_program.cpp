@@ -371,6 +371,14 @@ std::vector<at::Tensor> GraphProgram::Run(const std::vector<at::Tensor>& inputs)
   if (device_index < 0)
     device_index = c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->getDevice().index();
 
+  // The graph runs after every call recorded before it: a fused region may
+  // still hold writes to these inputs (an optimizer step updating the
+  // parameters in place) or the values of pending ones. Flushing once here,
+  // before any buffer is taken, also keeps each buffer taken below alive:
+  // a flush in the middle of the loop could replace (and donate) a buffer
+  // already collected (torch.compile with fused eager mode read stale
+  // parameters and, after a donation, freed memory).
+  FlushPendingWork();
   std::vector<pjrt::Buffer*> args(params_.size());
   std::vector<std::shared_ptr<pjrt::Buffer>> temps;
   for (size_t p = 0; p < params_.size(); ++p) {

@@ -135,9 +135,12 @@ DeviceStorage::~DeviceStorage() {
 
 namespace {
 void (*flush_hook)() = nullptr;
+std::atomic<bool> pending_work{false};
 }  // namespace
 
 void SetFlushHook(void (*hook)()) { flush_hook = hook; }
+bool HasPendingWork() { return pending_work.load(std::memory_order_acquire); }
+void SetPendingWork(bool recorded) { pending_work.store(recorded, std::memory_order_release); }
 
 namespace {
 std::mutex kept_mutex;
@@ -166,7 +169,9 @@ void FlushPendingWork() {
 }
 
 const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element) {
-  if (pending_) FlushPendingWork();
+  // A recorded region may write this storage in place (not pending then):
+  // reading before it ran would see the value from before those writes.
+  if (pending_ || HasPendingWork()) FlushPendingWork();
   if (pending_)
     throw std::runtime_error(
         "tpu: this tensor has no value: the fused region that was to compute it failed (the error was raised "

@@ -72,8 +72,10 @@ class DeviceStorage {
     current_ = std::move(buffer);
   }
   // The buffer typed as `element`, creating a zero-filled one if the storage
-  // was never written. Throws if the storage holds another element type of a
-  // different width.
+  // was never written. Runs the recorded fused region first when there is
+  // one (HasPendingWork: it may write this storage, pending or not), so the
+  // buffer is the storage's value in program order. Throws if the storage
+  // holds another element type of a different width.
   const StorageBuffer& Materialize(hlo::ElementType element);
 
  private:
@@ -100,10 +102,16 @@ void ReleaseKeptStorages();
 int64_t CpuDeviceCount();
 
 // Runs the fused executor's recorded region, if any (set by the fused
-// executor; a no-op otherwise). Called before a pending storage is read and
-// at every sync point.
+// executor; a no-op otherwise). Called before a storage is read while a
+// region is recorded (DeviceStorage::Materialize) and at every sync point.
 void FlushPendingWork();
 void SetFlushHook(void (*hook)());
+// Whether a fused region holds recorded calls that have not run yet (set by
+// the fused executor as it records and flushes). While it does, any
+// storage's buffer may be stale: a recorded call may write it in place
+// (an optimizer step writing a parameter) without making it pending.
+bool HasPendingWork();
+void SetPendingWork(bool recorded);
 
 class Runtime {
  public:
