@@ -90,11 +90,9 @@ def _compare(model_fn, loss_fn, batch_fn, mode, tie=False):
     cpu_model = model_fn()
     tpu_model = copy.deepcopy(cpu_model).to(TPU)
     if tie:
-        # Module.to() gives a PrivateUse1 backend new Parameter objects per
-        # module (torch's _has_compatible_shallow_copy_type lists only the
-        # built-in dense backends), which unties tied weights: Hugging
-        # Face's tie_weights() ties them again, as for XLA.
-        tpu_model.tie_weights()
+        # Module.to() keeps each Parameter object (docs/design.md,
+        # "Parameter identity across moves"), so the tie survives the move.
+        assert tpu_model.lm_head.weight is tpu_model.transformer.wte.weight
     batch = batch_fn()
     expected_losses, expected_grads = _train(cpu_model, loss_fn, batch)
     with torch_tpu.eager_mode(mode):
