@@ -100,11 +100,34 @@ def _eager(gm: torch.fx.GraphModule) -> Callable:
 _graph_counter = [0]
 
 
-def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callable:
+def _mutation_donations(gm: torch.fx.GraphModule) -> list:
+    """(placeholder, output) index pairs of an inference graph whose output
+    is the new value of a data-mutated input, from AOTAutograd's metadata
+    (torch._functorch._aot_autograd.schemas.ViewAndMutationMeta: the
+    graph's first outputs are the mutated inputs' values, in input order,
+    and its runtime wrapper then runs ``input.copy_(output)``); [] where
+    the graph's inputs are not the runtime's one for one."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None) if context is not None else None
+    if meta is None or meta.tokens or meta.num_intermediate_bases:
+        return []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(meta.input_info):
+        return []
+    pairs = []
+    for out, i in enumerate(meta.mutated_inp_runtime_indices):
+        info = meta.input_info[i]
+        if not info.mutates_data or info.mutates_metadata or info.mutates_storage_metadata:
+            return []  # other outputs precede or follow: donate nothing
+        pairs.append((i, out))
+    return pairs
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, donations=()) -> Callable:
     _graph_counter[0] += 1
     name = f"{kind}{_graph_counter[0]}"
     try:
-        program = _Program(gm, example_inputs, name)
+        program = _Program(gm, example_inputs, name, donations)
         program.compile()
         stats["programs"] += 1
         return _boxed(program)
@@ -128,7 +151,7 @@ def _bw_compiler(gm, example_inputs):
 
 
 def _inference_compiler(gm, example_inputs):
-    compiled = _compile_graph(gm, example_inputs, "inference")
+    compiled = _compile_graph(gm, example_inputs, "inference", _mutation_donations(gm))
     if _capture:
         _capture[-1].append(_precompile.savable(compiled, example_inputs))
     return compiled

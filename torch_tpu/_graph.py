@@ -197,6 +197,10 @@ class _Recording:
         self.program.set_outputs(values)
         self.recipe.append(("outputs", [v.id for v in values]))
 
+    def donate_input(self, input: int, output: int):
+        self.program.donate_input(input, output)
+        self.recipe.append(("donate", input, output))
+
     @staticmethod
     def replay(name: str, recipe: list):
         from . import _C
@@ -229,6 +233,8 @@ class _Recording:
                         values[vid] = o
             elif step[0] == "outputs":
                 program.set_outputs([values[i] for i in step[1]])
+            elif step[0] == "donate":
+                program.donate_input(step[1], step[2])
             else:
                 raise RuntimeError(f"unknown recipe step {step[0]!r}")
         return program
@@ -238,7 +244,11 @@ class _Program:
     """A compiled FX graph: the program, how each graph input is fed, and how
     the outputs are assembled."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs, name: str):
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, name: str, donations=()):
+        """`donations`: (placeholder index, graph output index) pairs, an
+        output being the new value of a mutated input (AOTAutograd's input
+        mutations): the program may write it into the input's buffer
+        (GraphProgram.donate_input); device outputs only."""
         from . import _C
 
         self.name = name
@@ -355,6 +365,13 @@ class _Program:
                     else:
                         raise GraphLoweringError(f"graph output {r} is a {type(v).__name__}")
                 program.set_outputs(values)
+                for input_index, output_index in donations:
+                    plan = output_plan[output_index] if output_index < len(output_plan) else None
+                    if plan is not None and not plan[1]:
+                        try:
+                            program.donate_input(input_index, plan[0])
+                        except ValueError:
+                            pass  # not the input's type, or an input/output twice: a copy
             else:
                 raise GraphLoweringError(f"node {node.format_node()}: {node.op} is not supported")
         self.output_plan = output_plan

@@ -295,9 +295,10 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst_logical, bool n
       src.scalar_type() == dst_logical.scalar_type() && src.sizes() == dst_logical.sizes() &&
       IsWholeStorage(src) && IsWholeStorage(dst_logical)) {
     runtime::DeviceStorage& from = StorageOf(src);
+    if (&from == &StorageOf(dst_logical)) return dst_logical;  // the same elements (a donated graph input)
     hlo::ElementType e = lowering::ToElementType(src.scalar_type());
     if (!from.pending() && from.current().buffer && from.current().element == e &&
-        from.current().numel == src.numel() && &from != &StorageOf(dst_logical)) {
+        from.current().numel == src.numel()) {
       runtime::FlushPendingWork();
       if (!from.pending() && from.current().buffer) {
         runtime::StorageBuffer shared = from.current();

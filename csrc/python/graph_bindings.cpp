@@ -166,6 +166,8 @@ void BindGraphProgram(py::module& m) {
             p.SetOutputs(ids);
           },
           py::arg("values"))
+      .def("donate_input", &GraphProgram::DonateInput, py::arg("input"), py::arg("output"),
+           "Output `output` (the new value of input `input`) may reuse the input's buffer")
       .def("compile", &GraphProgram::Compile)
       .def("run", &GraphProgram::Run, py::arg("inputs"))
       .def_property_readonly("compiled", &GraphProgram::compiled)

@@ -316,6 +316,33 @@ void GraphProgram::SetOutputs(const std::vector<int>& ids) {
   outputs_set_ = true;
 }
 
+void GraphProgram::DonateInput(int input, int output) {
+  if (executable_ || !module_text_.empty()) throw std::logic_error("GraphProgram: DonateInput after Compile");
+  if (!outputs_set_) throw std::logic_error("GraphProgram: DonateInput before SetOutputs");
+  if (input < 0 || input >= static_cast<int>(inputs_.size()) || output < 0 ||
+      output >= static_cast<int>(results_.size()))
+    throw std::invalid_argument("tpu graph " + name_ + ": DonateInput(" + std::to_string(input) + ", " +
+                                std::to_string(output) + ") out of range");
+  const ResultSlot& slot = results_[static_cast<size_t>(output)];
+  if (slot.kind != ResultSlot::Kind::kComputed)
+    throw std::invalid_argument("tpu graph " + name_ + ": output " + std::to_string(output) +
+                                " is a graph input, not a computed value");
+  const auto& spec = output_specs_[static_cast<size_t>(slot.index)];
+  const InputInfo& in = inputs_[static_cast<size_t>(input)];
+  if (spec.dtype != in.dtype || spec.sizes != in.sizes)
+    throw std::invalid_argument("tpu graph " + name_ + ": output " + std::to_string(output) + " is " +
+                                c10::toString(spec.dtype) + c10::str(spec.sizes) + ", input " +
+                                std::to_string(input) + " " + c10::toString(in.dtype) + c10::str(in.sizes));
+  for (const auto& d : donations_)
+    if (d.first == input || d.second == slot.index)
+      throw std::invalid_argument("tpu graph " + name_ + ": input " + std::to_string(input) + " or output " +
+                                  std::to_string(output) + " donated twice");
+  size_t param = 0;
+  while (param < params_.size() && (params_[param].rng || params_[param].index != input)) ++param;
+  builder_.AliasParameter(param, static_cast<size_t>(slot.index));
+  donations_.push_back({input, slot.index});
+}
+
 void GraphProgram::Compile() {
   if (executable_) return;
   if (!outputs_set_) throw std::logic_error("GraphProgram: Compile before SetOutputs");
@@ -402,9 +429,28 @@ std::vector<at::Tensor> GraphProgram::Run(const std::vector<at::Tensor>& inputs)
     args[p] = temps.back().get();
   }
 
+  // Donated inputs: whole storages fed once whose buffer has no other
+  // holder (a shared buffer, or a storage fed twice, is never consumed).
+  std::vector<int64_t> donated;
+  std::vector<std::pair<int, int>> applied;  // (input, program output) written in place
+  for (const auto& [input, result] : donations_) {
+    const at::Tensor& t = inputs[static_cast<size_t>(input)];
+    if (!dense[static_cast<size_t>(input)].is_same(t)) continue;
+    const DeviceStorage* storage = &StorageOf(t);
+    bool fed_once = true;
+    for (size_t j = 0; j < dense.size(); ++j)
+      if (static_cast<int>(j) != input && &StorageOf(dense[j]) == storage) fed_once = false;
+    if (!fed_once || storage->pending() || storage->current().buffer.use_count() != 1) continue;
+    size_t param = 0;
+    while (param < params_.size() && (params_[param].rng || params_[param].index != input)) ++param;
+    donated.push_back(static_cast<int64_t>(param));
+    applied.push_back({input, result});
+  }
+
   std::unique_ptr<pjrt::Event> done;
-  auto outs = executable_->Execute(args, rt.device(device_index), {}, &done);
+  auto outs = executable_->Execute(args, rt.device(device_index), donated, &done);
   rt.metrics().executions++;
+  if (!donated.empty()) rt.metrics().donated_buffers += static_cast<int64_t>(donated.size());
 
   std::vector<at::Tensor> computed;
   computed.reserve(outs.size());
@@ -416,6 +462,10 @@ std::vector<at::Tensor> GraphProgram::Run(const std::vector<at::Tensor>& inputs)
     computed.push_back(WrapBuffer(std::move(sb), spec.sizes, spec.dtype, device_index));
   }
   if (done) rt.Track(std::move(done), producer);
+  for (const auto& [input, result] : applied) {
+    StorageOf(inputs[static_cast<size_t>(input)]).Set(StorageOf(computed[static_cast<size_t>(result)]).current());
+    computed[static_cast<size_t>(result)] = inputs[static_cast<size_t>(input)];
+  }
 
   std::vector<at::Tensor> results;
   results.reserve(results_.size());

@@ -75,6 +75,17 @@ class GraphProgram {
   // The graph's results, in order (an id may repeat or be an input).
   void SetOutputs(const std::vector<int>& ids);
 
+  // Lets graph output `output` (a SetOutputs position holding a computed
+  // value of input `input`'s dtype and sizes: AOTAutograd's new value of a
+  // mutated input) reuse input `input`'s buffer. At Run, when the input is a
+  // whole storage that alone holds its buffer and is fed once, the buffer
+  // is donated, the storage takes the result (the mutation applied in
+  // place) and that output is the input tensor itself; otherwise the output
+  // is a new tensor. Call after SetOutputs, before Compile. Throws
+  // std::invalid_argument for a bad index, a non-computed output, a type
+  // mismatch or a second donation of the input or output.
+  void DonateInput(int input, int output);
+
   // Builds the module and compiles it (through the on-disk cache).
   void Compile();
   bool compiled() const { return executable_ != nullptr; }
@@ -129,6 +140,7 @@ class GraphProgram {
   std::vector<ResultSlot> results_;
   std::vector<lowering::OutputSpec> output_specs_;  // per program output
   std::vector<int> output_ids_;                     // SetOutputs ids
+  std::vector<std::pair<int, int>> donations_;      // (input, program output) aliased
   bool outputs_set_ = false;
   int num_calls_ = 0;
   std::string module_text_;

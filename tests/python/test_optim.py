@@ -341,3 +341,38 @@ def test_whole_storage_copy_shares_the_buffer_and_stays_independent():
     dst.mul_(2)
     assert torch.equal(src.cpu(), a + 1)
     assert torch.equal(dst.cpu(), a * 2)
+
+
+def test_compiled_optimizer_step_donates_mutated_inputs():
+    """The compiled AdamW step writes parameters, exp_avg and exp_avg_sq
+    into their own buffers (AOTAutograd's input mutations applied in place
+    by donation, metrics()["donated_buffers"]), except a buffer another
+    tensor still holds: that tensor keeps its value."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).to(TPU)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = torch.compile(opt.step, backend="tpu")
+    x = torch.randn(32, 8, device=TPU)
+    n = len(list(model.parameters()))
+    donated = []
+    for i in range(3):
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        keep = None
+        if i == 2:  # a tensor sharing the first parameter's buffer (a whole-storage copy)
+            keep = torch.empty_like(model[0].weight)
+            keep.copy_(model[0].weight.detach())
+            expected = model[0].weight.detach().cpu().clone()
+        torch.tpu.synchronize()
+        before = torch_tpu.metrics()["donated_buffers"]
+        step()
+        torch.tpu.synchronize()
+        donated.append(torch_tpu.metrics()["donated_buffers"] - before)
+        if keep is not None:
+            assert torch.equal(keep.cpu(), expected)
+            assert not torch.equal(model[0].weight.detach().cpu(), expected)
+    torch._dynamo.reset()
+    assert donated[1:] == [3 * n, 3 * n - 1], donated
