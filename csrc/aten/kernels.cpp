@@ -323,13 +323,13 @@ at::Tensor CopyFromAndResize(const at::Tensor& self, const at::Tensor& dst) {
 
 // The host copy of one storage's current buffer, for element reads
 // (`for v in t`, `all(t)`, `t[i].item()` in a loop: one download, not one
-// per element). Valid while the storage holds the same PJRT buffer: buffers
-// are immutable and every write swaps in a new one, so a written storage
-// never matches; the weak reference neither keeps the buffer alive nor
+// per element). Valid while the storage has not been written since: keyed
+// on DeviceStorage::write_id(), which every write changes (also a host copy
+// written into the same PJRT buffer in place) and no two writes share; the
+// copy holds no reference to the buffer, so it neither keeps it alive nor
 // blocks its donation. One storage at a time, at most kMaxHostCopyBytes.
 struct HostCopy {
-  const runtime::DeviceStorage* storage = nullptr;
-  std::weak_ptr<pjrt::Buffer> buffer;
+  uint64_t write_id = 0;
   std::vector<char> bytes;
 };
 constexpr size_t kMaxHostCopyBytes = size_t{64} << 20;
@@ -350,12 +350,11 @@ std::optional<at::Scalar> ElementFromHostCopy(const at::Tensor& self) {
   const size_t stored = static_cast<size_t>(cur.numel) * runtime::ElementSize(cur.element);
   if (offset + self.element_size() > stored) return std::nullopt;
   std::lock_guard<std::mutex> lock(host_copy_mutex);
-  if (host_copy.storage != &ds || host_copy.buffer.lock() != cur.buffer) {
-    host_copy.storage = nullptr;
+  if (host_copy.write_id != ds.write_id()) {
+    host_copy.write_id = 0;
     host_copy.bytes.assign(stored, 0);
     Runtime::Get().Download(cur, host_copy.bytes.data(), stored);
-    host_copy.storage = &ds;
-    host_copy.buffer = cur.buffer;
+    host_copy.write_id = ds.write_id();
   } else {
     host_copy_hits.fetch_add(1, std::memory_order_relaxed);
   }

@@ -66,11 +66,19 @@ class DeviceStorage {
   void MarkPending(hlo::ElementType element, int64_t numel) {
     pending_ = true;
     current_ = StorageBuffer{nullptr, element, numel, "fused region"};
+    write_id_ = NextWriteId();
   }
   void Set(StorageBuffer buffer) {
     pending_ = false;
     current_ = std::move(buffer);
+    write_id_ = NextWriteId();
   }
+  // Changes with every Set/MarkPending and is never the same for two
+  // writes of any storages in the process, so a host copy keyed on it
+  // (element reads, csrc/aten/kernels.cpp) is never stale — also when the
+  // same PJRT buffer was overwritten in place (Runtime::OverwriteInPlace)
+  // or a storage reuses a freed one's address.
+  uint64_t write_id() const { return write_id_; }
   // The buffer typed as `element`, creating a zero-filled one if the storage
   // was never written. Runs the recorded fused region first when there is
   // one (HasPendingWork: it may write this storage, pending or not), so the
@@ -81,8 +89,13 @@ class DeviceStorage {
  private:
   size_t nbytes_;
   int device_index_;
+  static uint64_t NextWriteId() {
+    static std::atomic<uint64_t> next{1};
+    return next.fetch_add(1, std::memory_order_relaxed);
+  }
   bool pending_ = false;
   StorageBuffer current_;
+  uint64_t write_id_ = 0;
 };
 
 // Frees a storage (the allocator's deleter). A pending storage (created by

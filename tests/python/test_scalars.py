@@ -156,6 +156,20 @@ def test_element_reads_see_every_write(mode):
         assert u[1, 1].item() == 18 and t[1, 1].item() == 9
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_element_reads_after_host_copies_into_the_same_buffer(mode):
+    # A host-to-device copy_ into a storage that solely holds a buffer of the
+    # right size overwrites that PJRT buffer in place; the element-read host
+    # copy must not survive it (it once returned the old values).
+    with torch_tpu.eager_mode(mode):
+        t = torch.zeros(16, device=TPU)
+        for k in range(1, 4):
+            before = [v.item() for v in t[:4]]
+            t.copy_(torch.full((16,), float(k)))
+            assert t[3].item() == float(k) and before == [float(k - 1)] * 4
+            assert t.tolist() == [float(k)] * 16
+
+
 def test_element_reads_through_views_and_math_bits():
     cpu = torch.tensor([1.5, -2.0, 3.25, 4.0])
     t = cpu.to(TPU)
