@@ -4,7 +4,9 @@
 #   make test   same set-up, then every test: CTest (C++), pytest (Python) and
 #               PyTorch's device-generic suites (tools/pytorch_suites.py, a
 #               fixed fast subset of each file, cpu vs tpu)
-#   make test-full  the same with the suites' every test (docs/pytorch_suites.md)
+#   make test-full  everything: the suites' every test (docs/pytorch_suites.md),
+#               every OpInfo sample, the full distributed tier, tests marked
+#               full_tier (TORCH_TPU_TEST_FULL=1)
 #   make bench  same set-up, then every benchmarks/*.py
 #   make clean  remove the build directory (make distclean: also .venv)
 #
@@ -61,7 +63,7 @@ test: build
 	exit $$rc
 
 test-full:
-	$(MAKE) test SUITES=full
+	TORCH_TPU_TEST_FULL=1 TORCH_TPU_OPINFO_FULL=1 TORCH_TPU_DIST_FULL=1 $(MAKE) test SUITES=full
 
 test-suites: build
 	$(PY) tools/pytorch_suites.py --subset $(SUITES)

@@ -12,6 +12,27 @@ import torch
 import torch_tpu
 
 
+# Test tiers: `make test` runs the default tier; `make test-full` sets
+# TORCH_TPU_TEST_FULL=1 (with TORCH_TPU_OPINFO_FULL and TORCH_TPU_DIST_FULL)
+# and also runs the tests marked `full_tier` (the slower variants of a
+# capability whose fast variant stays in the default tier).
+FULL_TIER = os.environ.get("TORCH_TPU_TEST_FULL", "") not in ("", "0")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "full_tier: runs only in the full tier (make test-full, TORCH_TPU_TEST_FULL=1)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if FULL_TIER:
+        return
+    skip = pytest.mark.skip(reason="full tier: make test-full (TORCH_TPU_TEST_FULL=1)")
+    for item in items:
+        if item.get_closest_marker("full_tier") is not None:
+            item.add_marker(skip)
+
+
 @contextlib.contextmanager
 def no_cpu_fallback():
     """Fails if any op inside the block fell back to the CPU."""
