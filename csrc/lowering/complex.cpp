@@ -53,6 +53,12 @@ std::vector<Value> LowerComplex(LoweringContext& ctx) {
   Builder& b = ctx.b;
   const OutputSpec& out = ctx.outputs.at(0);
   const ElementType part = hlo::ComplexPart(ToElementType(out.dtype));
+  // CPU's checks (complex_check_dtype, aten/src/ATen/native/TensorFactories.cpp).
+  const at::ScalarType real_t = ctx.arg("real").dtype, imag_t = ctx.arg("imag").dtype;
+  TORCH_CHECK(real_t == at::kHalf || real_t == at::kFloat || real_t == at::kDouble,
+              "Expected both inputs to be Half, Float or Double tensors but got ", real_t, " and ", imag_t);
+  TORCH_CHECK(real_t == imag_t, "Expected object of scalar type ", real_t, " but got scalar type ", imag_t,
+              " for second argument");
   Value re = Fit(b, CastElement(b, ctx.tensor("real"), part), out.sizes);
   Value im = Fit(b, CastElement(b, ctx.tensor("imag"), part), out.sizes);
   return {b.Complex(re, im)};

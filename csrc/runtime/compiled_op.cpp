@@ -154,8 +154,15 @@ void AppendStatic(std::vector<int64_t>& atoms, const c10::IValue& v) {
   } else if (v.isScalar()) {  // a Scalar compiled in as a constant
     atoms.push_back(109);
     auto s = v.toScalar();
-    atoms.push_back(s.isFloatingPoint() ? std::bit_cast<int64_t>(s.toDouble()) : s.toLong());
-    atoms.push_back(s.isFloatingPoint());
+    if (s.isComplex()) {  // toLong() would throw (linspace(1j, 2j, n))
+      auto z = s.toComplexDouble();
+      atoms.push_back(std::bit_cast<int64_t>(z.real()));
+      atoms.push_back(std::bit_cast<int64_t>(z.imag()));
+      atoms.push_back(2);
+    } else {
+      atoms.push_back(s.isFloatingPoint() ? std::bit_cast<int64_t>(s.toDouble()) : s.toLong());
+      atoms.push_back(s.isFloatingPoint());
+    }
   } else {
     throw UnsupportedOp("argument of type " + v.tagKind() + " is not supported by the tpu lowering path");
   }
