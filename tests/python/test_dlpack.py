@@ -122,3 +122,17 @@ def test_imported_storage_not_resizable_as_cpu():
         imp = torch.from_dlpack(torch.arange(4.0, device=dev))
         with pytest.raises(RuntimeError, match="not resizable"):
             imp.resize_(100)
+
+
+def test_same_device_copy_flag_and_edge_shapes():
+    for dev in ("cpu", "tpu"):
+        t = torch.arange(4.0, device=dev)
+        alias = torch.from_dlpack(t, device=dev)
+        alias[0] = 9.0
+        copy = torch.from_dlpack(t, device=dev, copy=True)
+        copy[1] = 9.0
+        assert torch.equal(t.cpu(), torch.tensor([9.0, 1.0, 2.0, 3.0]))
+        assert torch.equal(copy.cpu(), torch.tensor([9.0, 9.0, 2.0, 3.0]))
+        assert torch.from_dlpack(torch.ones(0, 3, device=dev)).shape == (0, 3)
+        s = torch.from_dlpack(torch.tensor(3.5, device=dev))
+        assert s.dim() == 0 and s.item() == 3.5
