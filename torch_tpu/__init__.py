@@ -92,6 +92,11 @@ def _install_print_hook() -> None:
 
 _install_print_hook()
 
+from . import _dlpack  # noqa: E402
+
+# Tensor.__dlpack_device__ for the renamed PrivateUse1 device: see _dlpack.py.
+_dlpack.install()
+
 from . import _integrations  # noqa: E402
 
 # accelerate's default device (Trainer, Accelerator) becomes tpu, and

@@ -98,6 +98,10 @@ void ResizeStorageBytes(const c10::Storage& storage_ref, size_t nbytes, at::Scal
   runtime::FlushPendingWork();  // recorded ops saw the old buffer and size
   c10::Storage storage = storage_ref;
   if (nbytes == storage.nbytes()) return;
+  // As CPU (aten/src/ATen/native/Resize.cpp): at::from_blob storages (DLPack
+  // imports, legacy pickle's host copies) are not resizable, and their
+  // DataPtr context is not a DeviceStorage.
+  TORCH_CHECK(storage.resizable(), "Trying to resize storage that is not resizable");
   auto* ds = static_cast<runtime::DeviceStorage*>(storage.data_ptr().get_context());
   hlo::ElementType e = lowering::ToElementType(dtype);
   std::vector<char> old;

@@ -841,14 +841,22 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
 }
 
 DeviceStorage& StorageOf(const at::Tensor& t) {
-  void* ctx = t.storage().data_ptr().get_context();
-  if (!ctx) {
-    // at::from_blob over a tpu data pointer (legacy torch.save / pickle copy
-    // a storage to the host that way): the pointer is the DeviceStorage.
-    if (DeviceStorage* found = FindLiveStorage(t.storage().data_ptr().get())) return *found;
-    throw std::runtime_error("tpu tensor without device storage");
-  }
-  return *static_cast<DeviceStorage*>(ctx);
+  const c10::DataPtr& data = t.storage().data_ptr();
+  // The tpu allocator's DataPtrs have the DeviceStorage as context; any other
+  // context (at::from_blob with a deleter, as DLPack's importer makes) is not
+  // a DeviceStorage and must not be read as one.
+  static const c10::DeleterFnPtr tpu_deleter = c10::GetAllocator(c10::DeviceType::PrivateUse1)->raw_deleter();
+  if (data.get_context() && data.get_deleter() == tpu_deleter)
+    return *static_cast<DeviceStorage*>(data.get_context());
+  // at::from_blob over a tpu data pointer (legacy torch.save / pickle copy a
+  // storage to the host that way; torch.from_dlpack imports a capsule that
+  // way): the pointer is the DeviceStorage.
+  if (DeviceStorage* found = FindLiveStorage(data.get())) return *found;
+  if (!data.get()) throw std::runtime_error("tpu tensor without device storage");
+  throw std::runtime_error(
+      "tpu tensor over a data pointer that is not the start of a live tpu storage (a DLPack import of a "
+      "view with a nonzero storage offset, or at::from_blob over a foreign pointer): not supported; "
+      "export a tensor with storage_offset() == 0, e.g. t.clone()");
 }
 
 at::Tensor WrapBuffer(StorageBuffer buffer, at::IntArrayRef sizes, at::ScalarType dtype, int device_index) {
