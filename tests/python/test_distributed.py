@@ -58,17 +58,10 @@ def _child(fn, rank, world, store_path, out_dir, env, args):
         json.dump(result, f)
 
 
-def run_job(tmp_path, fn, args=None, world=WORLD, env=None, timeout=JOB_TIMEOUT_S, expect_exit=None):
-    """Runs fn(rank, world, args) -> dict in `world` spawned processes after
-    init_process_group; returns the per-rank dicts. Kills every process still
-    alive after `timeout` seconds and fails naming them."""
-    ctx = multiprocessing.get_context("spawn")
-    out_dir = tmp_path / "out"
-    out_dir.mkdir(exist_ok=True)
-    store = tmp_path / "store"
-    env = {"TORCH_TPU_CPU_DEVICES": str(world), **(env or {})}
-    procs = [ctx.Process(target=_child, args=(fn, r, world, str(store), str(out_dir), env, args or {}))
-             for r in range(world)]
+def _start_and_join(procs, timeout: float) -> None:
+    """Starts the rank processes and waits for all of them within `timeout`
+    seconds; a rank still running then is a hang (the test fails), and every
+    process still alive is killed."""
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -82,6 +75,20 @@ def run_job(tmp_path, fn, args=None, world=WORLD, env=None, timeout=JOB_TIMEOUT_
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def run_job(tmp_path, fn, args=None, world=WORLD, env=None, timeout=JOB_TIMEOUT_S, expect_exit=None):
+    """Runs fn(rank, world, args) -> dict in `world` spawned processes after
+    init_process_group; returns the per-rank dicts. Kills every process still
+    alive after `timeout` seconds and fails naming them."""
+    ctx = multiprocessing.get_context("spawn")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir(exist_ok=True)
+    store = tmp_path / "store"
+    env = {"TORCH_TPU_CPU_DEVICES": str(world), **(env or {})}
+    procs = [ctx.Process(target=_child, args=(fn, r, world, str(store), str(out_dir), env, args or {}))
+             for r in range(world)]
+    _start_and_join(procs, timeout)
     results = []
     for r in range(world):
         path = out_dir / f"rank{r}.json"
@@ -442,19 +449,7 @@ def run_env_job(tmp_path, fn, args, world, timeout=JOB_TIMEOUT_S):
     args = {**args, "port": _free_port()}
     env = {"TORCH_TPU_CPU_DEVICES": str(world)}
     procs = [ctx.Process(target=_env_child, args=(fn, r, world, env, args, str(out_dir))) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        assert not hung, f"ranks {hung} still running after {timeout} s (a hang)"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    _start_and_join(procs, timeout)
     results = []
     for r in range(world):
         path = out_dir / f"rank{r}.json"
