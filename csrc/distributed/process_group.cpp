@@ -175,6 +175,20 @@ void AverageAfter(Staging& s, const ReduceRewrite& r, const at::Tensor& host, in
   s.after.push_back([host, size] { host.div_(size); });
 }
 
+// Host copies of all-reduced tensors: pre-multiplied for PREMUL_SUM and
+// divided by the group size after the sum for AVG (allreduce and
+// allreduce_coalesced stage alike).
+std::vector<at::Tensor> StageAllReduced(Staging& s, const ReduceRewrite& r, std::vector<at::Tensor>& tensors,
+                                        int size) {
+  std::vector<at::Tensor> host;
+  for (auto& t : tensors) {
+    at::Tensor h = PremulInPlace(s, r, t, s.InOut(t), true);
+    AverageAfter(s, r, h, size);
+    host.push_back(h);
+  }
+  return host;
+}
+
 // The Work of one host-staged collective (see process_group.h for wait,
 // isCompleted and getFuture).
 class StagedWork : public Work {
@@ -295,12 +309,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::allreduce(std::vector<at::Tensor>& ten
                                                     const c10d::AllreduceOptions& opts) {
   Staging s{"allreduce", pool_};
   ReduceRewrite r = Rewrite(opts.reduceOp, s.op, tensors);
-  std::vector<at::Tensor> host;
-  for (auto& t : tensors) {
-    at::Tensor h = PremulInPlace(s, r, t, s.InOut(t), true);
-    AverageAfter(s, r, h, getSize());
-    host.push_back(h);
-  }
+  std::vector<at::Tensor> host = StageAllReduced(s, r, tensors, getSize());
   c10d::AllreduceOptions o = opts;
   o.reduceOp = r.op;
   auto w = host_->allreduce(host, o);
@@ -311,12 +320,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::allreduce_coalesced(std::vector<at::Te
                                                               const c10d::AllreduceCoalescedOptions& opts) {
   Staging s{"allreduce_coalesced", pool_};
   ReduceRewrite r = Rewrite(opts.reduceOp, s.op, tensors);
-  std::vector<at::Tensor> host;
-  for (auto& t : tensors) {
-    at::Tensor h = PremulInPlace(s, r, t, s.InOut(t), true);
-    AverageAfter(s, r, h, getSize());
-    host.push_back(h);
-  }
+  std::vector<at::Tensor> host = StageAllReduced(s, r, tensors, getSize());
   c10d::AllreduceCoalescedOptions o = opts;
   o.reduceOp = r.op;
   auto w = host_->allreduce_coalesced(host, o);
