@@ -323,9 +323,8 @@ void RunOnCpuMirror(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (auto& [ds, m] : mirrors) {
     if (!m.written) continue;
     hlo::ElementType e = ds->initialized() ? ds->current().element : lowering::ToElementType(m.any.scalar_type());
-    int64_t numel = static_cast<int64_t>(ds->nbytes() / runtime::ElementSize(e));
-    int64_t dims[] = {numel};
-    ds->Set({rt.Upload(m.bytes.data_ptr(), e, dims, m.any.device().index()), e, numel, name + " (on the CPU)"});
+    const size_t nbytes = ds->nbytes() / runtime::ElementSize(e) * runtime::ElementSize(e);
+    ds->Set(rt.UploadStorage(m.bytes.data_ptr(), nbytes, e, m.any.device().index(), name + " (on the CPU)"));
   }
   // Returns: written arguments as the original tpu tensors, new tensors moved
   // to the device.

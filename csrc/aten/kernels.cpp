@@ -120,11 +120,9 @@ void ResizeStorageBytes(const c10::Storage& storage_ref, size_t nbytes, at::Scal
   c10::DataPtr fresh = TpuAllocator()->allocate(nbytes);
   auto* fresh_ds = static_cast<runtime::DeviceStorage*>(fresh.get_context());
   if (!old.empty()) {
-    int64_t numel = static_cast<int64_t>(nbytes / esize);
     std::vector<char> bytes(nbytes, 0);
     std::memcpy(bytes.data(), old.data(), std::min(old.size(), bytes.size()));
-    int64_t dims[] = {numel};
-    fresh_ds->Set({Runtime::Get().Upload(bytes.data(), e, dims, fresh.device().index()), e, numel, "resize_"});
+    fresh_ds->Set(Runtime::Get().UploadStorage(bytes.data(), nbytes, e, fresh.device().index(), "resize_"));
   }
   storage.set_data_ptr_noswap(std::move(fresh));
   storage.set_nbytes(nbytes);
@@ -182,7 +180,7 @@ bool IsWholeStorage(const at::Tensor& t) {
   auto& s = StorageOf(t);
   if (!t.is_contiguous() || t.storage_offset() != 0) return false;
   hlo::ElementType e = lowering::ToElementType(t.scalar_type());
-  if (s.initialized()) return s.current().element == e && s.current().numel == t.numel();
+  if (s.initialized() && s.current().element != e) return false;
   return static_cast<int64_t>(s.nbytes()) == t.numel() * static_cast<int64_t>(t.element_size());
 }
 
@@ -241,10 +239,9 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst_logical, bool n
       runtime::FlushPendingWork();
       host = host.expand(dst.sizes()).contiguous();
       hlo::ElementType e = lowering::ToElementType(dst.scalar_type());
-      int64_t dims[] = {dst.numel()};
       auto& storage = StorageOf(dst);
       if (!storage.pending() && storage.current().buffer && storage.current().element == e &&
-          storage.current().numel == dst.numel()) {
+          storage.current().numel >= dst.numel()) {  // the storage's elements, then its capacity's padding
         runtime::StorageBuffer current = storage.current();
         storage.Set({});  // the storage's own reference only, for the holder count
         bool in_place = rt.OverwriteInPlace(current, host.data_ptr(), host.nbytes());
@@ -252,14 +249,13 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst_logical, bool n
         storage.Set(std::move(current));
         if (in_place) return dst_logical;
       }
-      storage.Set({rt.Upload(host.data_ptr(), e, dims, dst.device().index()), e, dst.numel(), "copy from cpu"});
+      storage.Set(rt.UploadStorage(host.data_ptr(), host.nbytes(), e, dst.device().index(), "copy from cpu"));
       return dst_logical;
     }
     host = host.contiguous();
     hlo::ElementType e = lowering::ToElementType(host.scalar_type());
-    int64_t dims[] = {host.numel()};
     at::Tensor staged = runtime::WrapBuffer(
-        {rt.Upload(host.data_ptr(), e, dims, dst.device().index()), e, host.numel(), "copy from cpu"}, host.sizes(),
+        rt.UploadStorage(host.data_ptr(), host.nbytes(), e, dst.device().index(), "copy from cpu"), host.sizes(),
         host.scalar_type(), dst.device().index());
     RunCopy(dst, staged);
     return dst_logical;
@@ -302,7 +298,7 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst_logical, bool n
     if (&from == &StorageOf(dst_logical)) return dst_logical;  // the same elements (a donated graph input)
     hlo::ElementType e = lowering::ToElementType(src.scalar_type());
     if (!from.pending() && from.current().buffer && from.current().element == e &&
-        from.current().numel == src.numel()) {
+        from.current().numel >= src.numel()) {  // both storages have src's nbytes
       runtime::FlushPendingWork();
       if (!from.pending() && from.current().buffer) {
         runtime::StorageBuffer shared = from.current();

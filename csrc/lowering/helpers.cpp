@@ -385,6 +385,18 @@ int64_t Numel(std::span<const int64_t> dims) {
   return n;
 }
 
+Value ResizeFlat(Builder& b, const Value& flat, int64_t n) {
+  if (flat.rank() != 1) throw LoweringError("ResizeFlat: expected a rank-1 value");
+  const int64_t have = flat.dims()[0];
+  if (have == n) return flat;
+  if (have > n) {
+    int64_t start[] = {0}, limit[] = {n}, stride[] = {1};
+    return b.Slice(flat, start, limit, stride);
+  }
+  int64_t low[] = {0}, high[] = {n - have}, interior[] = {0};
+  return b.Pad(flat, Const(b, flat.element(), 0.0), low, high, interior);
+}
+
 Value Fit(Builder& b, const Value& v, std::span<const int64_t> sizes) {
   if (std::equal(v.dims().begin(), v.dims().end(), sizes.begin(), sizes.end())) return v;
   if (v.type.numel() == Numel(sizes)) return b.Reshape(v, sizes);

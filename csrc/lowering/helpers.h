@@ -86,6 +86,10 @@ Value ReadView(Builder& b, const Value& flat, const ViewLayout& view);
 // into several (f32[N] -> u8[4N]); wider -> groups join (u8[4N] -> f32[N]).
 // Throws LoweringError where the sizes do not divide.
 Value ReinterpretFlat(Builder& b, const Value& flat, ElementType to);
+// `flat` (rank 1) as `n` elements: its first n (a slice) where it is
+// longer, itself followed by zeros where it is shorter. Moves values between
+// a storage's elements and its buffer's capacity (runtime::Capacity).
+Value ResizeFlat(Builder& b, const Value& flat, int64_t n);
 // Returns the new flat storage with `value` (the view's sizes) written at the
 // view's elements: update-slice where the layout allows, else a scatter.
 Value WriteView(Builder& b, const Value& flat, const ViewLayout& view, const Value& value);

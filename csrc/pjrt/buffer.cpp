@@ -1,6 +1,7 @@
 // PJRT_Buffer wrapper and element sizes.
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "call.h"
 #include "pjrt.h"
@@ -97,7 +98,7 @@ bool Buffer::ToHostDirect(void* dst, size_t nbytes) const {
   TORCH_TPU_PJRT_CALL(p, PJRT_Buffer_ReadyEvent, ready);
   Event(plugin_, ready.event).Await();
 
-  if (on_device_size_in_bytes() != nbytes || !IsDenseRowMajor(p, buffer_)) {
+  if (on_device_size_in_bytes() < nbytes || !IsDenseRowMajor(p, buffer_)) {
     return false;
   }
   void* data = AcquireHostPointer();
@@ -149,7 +150,7 @@ bool Buffer::FromHostInPlace(const void* src, size_t nbytes) {
   } catch (const Error&) {
     return false;
   }
-  if (on_device_size_in_bytes() != nbytes || !IsDenseRowMajor(p, buffer_)) return false;
+  if (on_device_size_in_bytes() < nbytes || !IsDenseRowMajor(p, buffer_)) return false;
   void* data = AcquireHostPointer();
   if (data == nullptr) return false;
   std::memcpy(data, src, nbytes);
@@ -166,6 +167,13 @@ void Buffer::ToHost(void* dst, size_t nbytes) const {
     return;
   }
   if (ToHostDirect(dst, nbytes)) return;
+  const size_t whole = on_device_size_in_bytes();
+  if (nbytes < whole) {  // a prefix: the plugin copies whole buffers
+    std::vector<char> all(whole);
+    ToHostViaPlugin(all.data(), whole);
+    std::memcpy(dst, all.data(), nbytes);
+    return;
+  }
   ToHostViaPlugin(dst, nbytes);
 }
 

@@ -111,8 +111,9 @@ class Buffer {
   std::vector<int64_t> dimensions() const;
   size_t on_device_size_in_bytes() const;
 
-  // Copies the whole buffer (dense, row-major) into dst, which must hold
-  // exactly nbytes; blocks until the copy is done (and so until the
+  // Copies the buffer's first nbytes (dense, row-major; at most its size:
+  // a prefix of a larger buffer is staged whole on the host unless the
+  // buffer is host memory) into dst; blocks until the copy is done (and so until the
   // computation producing this buffer is done). Throws Error with the
   // plugin's message if the producing computation failed.
   void ToHost(void* dst, size_t nbytes) const;
@@ -123,7 +124,8 @@ class Buffer {
   // buffers are host memory (PJRT_Buffer_IsOnCpu: the XLA CPU plugin): a
   // memcpy into memory already touched, instead of a fresh allocation.
   // Returns false, writing nothing, unless the buffer is on the CPU, ready
-  // (not failed), dense row-major and exactly nbytes long. PJRT buffers are
+  // (not failed), dense row-major and at least nbytes long (a shorter write
+  // leaves the rest as it is). PJRT buffers are
   // otherwise immutable: the caller guarantees that nothing else holds or
   // reads this one (no other owner, no in-flight execution).
   bool FromHostInPlace(const void* src, size_t nbytes);

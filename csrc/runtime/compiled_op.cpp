@@ -65,10 +65,12 @@ hlo::ElementType StorageElement(const at::Tensor& t) {
   auto& s = StorageOf(t);
   return s.initialized() ? s.current().element : lowering::ToElementType(t.scalar_type());
 }
+// Elements of the storage's buffer (its capacity; Materialize makes that
+// many for a never-written one).
 int64_t StorageNumel(const at::Tensor& t) {
   auto& s = StorageOf(t);
   if (s.initialized()) return s.current().numel;
-  return static_cast<int64_t>(s.nbytes() / ElementSize(lowering::ToElementType(t.scalar_type())));
+  return Capacity(static_cast<int64_t>(s.nbytes() / ElementSize(lowering::ToElementType(t.scalar_type()))));
 }
 
 bool IsScalarTypeArg(const c10::TypePtr& t) {
@@ -179,6 +181,7 @@ void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& 
   for (int64_t s : t.strides()) atoms.push_back(s);
   atoms.push_back(t.storage_offset());
   atoms.push_back(StorageNumel(t));
+  atoms.push_back(static_cast<int64_t>(StorageOf(t).nbytes()));  // WriteTensor: does a write cover it all?
   atoms.push_back(static_cast<int64_t>(StorageElement(t)));
   atoms.push_back(ids.Id(&StorageOf(t)));
 }
@@ -463,14 +466,14 @@ void ProgramBuilder::WriteTensor(const at::Tensor& t, const InputSlot& use, hlo:
   value = lowering::Prepare(b, value, t.scalar_type(), t.sizes().vec());
   const hlo::ElementType element = value.element();
   const int64_t numel = t.numel();
-  const int64_t storage_numel =  // the storage's size in elements of t's dtype
-      st.numel * static_cast<int64_t>(ElementSize(st.element)) / static_cast<int64_t>(ElementSize(element));
-  const bool whole_bytes =  // t's elements span exactly the storage's bytes
-      numel * static_cast<int64_t>(ElementSize(element)) == st.numel * static_cast<int64_t>(ElementSize(st.element));
-  bool covers_all = t.is_contiguous() && t.storage_offset() == 0 && numel == storage_numel && whole_bytes;
+  const int64_t nbytes = static_cast<int64_t>(st.storage->nbytes());
+  // t's elements span exactly the storage's bytes (not its buffer's
+  // capacity: the padding past them is of no defined content).
+  bool covers_all = t.is_contiguous() && t.storage_offset() == 0 &&
+                    numel * static_cast<int64_t>(ElementSize(element)) == nbytes;
   if (covers_all && !st.current && !st.param) {
     int64_t dims[] = {numel};
-    st.current = lowering::ReinterpretFlat(b, b.Reshape(value, dims), st.element);
+    st.current = lowering::ResizeFlat(b, lowering::ReinterpretFlat(b, b.Reshape(value, dims), st.element), st.numel);
   } else {
     hlo::Value old = ReadFlat(st);
     hlo::Value flat = lowering::ReinterpretFlat(b, old, element);
@@ -727,9 +730,9 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
       continue;
     }
     const auto& out = spec.outputs[r];
-    int64_t n = new_values[r]->type.numel();
-    int64_t flat_dims[] = {n};
-    program_results.push_back(pb.b.Reshape(*new_values[r], flat_dims));
+    int64_t flat_dims[] = {new_values[r]->type.numel()};
+    const int64_t n = Capacity(flat_dims[0]);
+    program_results.push_back(lowering::ResizeFlat(pb.b, pb.b.Reshape(*new_values[r], flat_dims), n));
     OutputSlot slot;
     slot.kind = OutputSlot::Kind::kNewTensor;
     slot.dtype = out.dtype;
@@ -749,7 +752,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     slot.arg = st.first_use.arg;
     slot.item = st.first_use.item;
     slot.element = st.element;
-    slot.numel = st.numel;
+    slot.numel = st.current->dims()[0];
     compiled->outputs.push_back(std::move(slot));
   }
   for (auto& [flag, message] : pb.index_checks) {

@@ -32,6 +32,7 @@
 #include <span>
 #include <unordered_map>
 
+#include "lowering/helpers.h"
 #include "runtime/compiled_op.h"
 #include "runtime/executor.h"
 
@@ -139,10 +140,10 @@ class FusedExecutor {
                                                  std::nullopt);
         DeviceStorage& ds = StorageOf(t);
         hlo::ElementType e = lowering::ToElementType(out.dtype);
-        ds.MarkPending(e, t.numel());
+        ds.MarkPending(e, Capacity(t.numel()));  // the buffer the region will give it
         key_.push_back(-1 - ids_.Id(&ds));  // created here
         created_.push_back({c10::weak_intrusive_ptr<c10::StorageImpl>(t.storage().getWeakStorageImpl()), &ds, e,
-                            t.numel(), call, static_cast<int16_t>(r)});
+                            Capacity(t.numel()), call, static_cast<int16_t>(r)});
         returns.emplace_back(std::move(t));
       }
     }
@@ -291,8 +292,9 @@ class FusedExecutor {
       for (size_t r = 0; r < values.size(); ++r) {
         if (!values[r]) continue;
         const CreatedStorage& cs = created_[next_created++];
-        int64_t dims[] = {cs.numel};
-        pb.Define(cs.device_storage, cs.element, cs.numel, pb.b.Reshape(*values[r], dims));
+        int64_t dims[] = {values[r]->type.numel()};
+        pb.Define(cs.device_storage, cs.element, cs.numel,
+                  lowering::ResizeFlat(pb.b, pb.b.Reshape(*values[r], dims), cs.numel));
       }
     }
     auto region = std::make_unique<CompiledRegion>();
@@ -301,7 +303,7 @@ class FusedExecutor {
       if (!st.current) continue;
       RegionOutput out;
       out.element = st.element;
-      out.numel = st.numel;
+      out.numel = st.current->dims()[0];
       for (size_t i = 0; i < created_.size(); ++i)
         if (created_[i].device_storage == st.storage) out.created = static_cast<int32_t>(i);
       if (out.created >= 0 && !alive[static_cast<size_t>(out.created)]) continue;  // a dead temporary

@@ -97,11 +97,12 @@ int GraphProgram::AddInput(at::ScalarType dtype, const std::vector<int64_t>& siz
   } catch (const lowering::LoweringError& e) {
     throw GraphUnsupported(std::string("graph input: ") + e.what());
   }
-  int64_t flat[] = {in.numel};
-  hlo::Value p = builder_.Parameter(hlo::TensorType{in.element, {flat[0]}});
+  // The storage's whole buffer (its capacity, runtime::Capacity), of which
+  // the tensor is the first numel elements.
+  hlo::Value p = builder_.Parameter(hlo::TensorType{in.element, {Capacity(in.numel)}});
   params_.push_back({false, static_cast<int>(inputs_.size())});
   ValueInfo v;
-  v.value = builder_.Reshape(p, sizes);
+  v.value = builder_.Reshape(lowering::ResizeFlat(builder_, p, in.numel), sizes);
   v.dtype = dtype;
   v.input = static_cast<int>(inputs_.size());
   inputs_.push_back(std::move(in));
@@ -305,7 +306,7 @@ void GraphProgram::SetOutputs(const std::vector<int>& ids) {
         slot.index = static_cast<int>(computed_ids.size());
         computed_ids.push_back(id);
         int64_t flat[] = {v.value.type.numel()};
-        program_results.push_back(builder_.Reshape(v.value, flat));
+        program_results.push_back(lowering::ResizeFlat(builder_, builder_.Reshape(v.value, flat), Capacity(flat[0])));
         output_specs_.push_back({v.dtype, v.value.dims()});
       }
     }
@@ -388,10 +389,11 @@ std::vector<at::Tensor> GraphProgram::Run(const std::vector<at::Tensor>& inputs)
     if (device_index < 0) device_index = t.device().index();
     const DeviceStorage& s = StorageOf(t);
     int64_t storage_numel = s.initialized() ? s.current().numel
-                                            : static_cast<int64_t>(s.nbytes() / ElementSize(info.element));
+                                            : Capacity(static_cast<int64_t>(s.nbytes() / ElementSize(info.element)));
     // A conjugate/negative view holds other values than its storage's: the
     // clone materializes them.
-    bool whole = t.is_contiguous() && t.storage_offset() == 0 && storage_numel == info.numel &&
+    bool whole = t.is_contiguous() && t.storage_offset() == 0 && storage_numel == Capacity(info.numel) &&
+                 static_cast<int64_t>(s.nbytes()) == info.numel * static_cast<int64_t>(ElementSize(info.element)) &&
                  (!s.initialized() || s.current().element == info.element) && !t.is_conj() && !t.is_neg();
     dense[i] = whole ? t : at::clone(t, at::MemoryFormat::Contiguous);
   }
@@ -458,7 +460,8 @@ std::vector<at::Tensor> GraphProgram::Run(const std::vector<at::Tensor>& inputs)
   for (size_t i = 0; i < outs.size(); ++i) {
     const auto& spec = output_specs_[i];
     hlo::ElementType element = lowering::ToElementType(spec.dtype);
-    StorageBuffer sb{std::shared_ptr<pjrt::Buffer>(std::move(outs[i])), element, Numel(spec.sizes), producer};
+    StorageBuffer sb{std::shared_ptr<pjrt::Buffer>(std::move(outs[i])), element, Capacity(Numel(spec.sizes)),
+                     producer};
     computed.push_back(WrapBuffer(std::move(sb), spec.sizes, spec.dtype, device_index));
   }
   if (done) rt.Track(std::move(done), producer);

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -168,6 +169,14 @@ void FlushPendingWork() {
   if (flush_hook) flush_hook();
 }
 
+int64_t Capacity(int64_t numel) {
+  if (numel <= 0) return 0;
+  if (numel <= 16) return 16;
+  const int64_t p = static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(numel - 1)));  // n in (p, 2p]
+  const int64_t step = p / 8;
+  return (numel + step - 1) / step * step;
+}
+
 const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element) {
   // A recorded region may write this storage in place (not pending then):
   // reading before it ran would see the value from before those writes.
@@ -182,7 +191,7 @@ const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element) {
                                " elements and cannot be read as " + std::string(hlo::MlirName(element)));
     return current_;
   }
-  int64_t numel = static_cast<int64_t>(nbytes_ / ElementSize(element));
+  int64_t numel = Capacity(static_cast<int64_t>(nbytes_ / ElementSize(element)));
   std::vector<char> zeros;
   try {
     zeros.assign(static_cast<size_t>(numel) * ElementSize(element), 0);
@@ -273,6 +282,29 @@ std::shared_ptr<pjrt::Buffer> Runtime::Upload(const void* data, hlo::ElementType
     RethrowDeviceError(e, "a host-to-device copy of " + HumanBytes(n * static_cast<int64_t>(ElementSize(element))),
                        device_index);
   }
+}
+
+StorageBuffer Runtime::UploadStorage(const void* data, size_t nbytes, hlo::ElementType element, int device_index,
+                                     std::string producer) {
+  const size_t esize = ElementSize(element);
+  const int64_t numel = static_cast<int64_t>(nbytes / esize);
+  const int64_t capacity = Capacity(numel);
+  int64_t dims[] = {capacity};
+  std::shared_ptr<pjrt::Buffer> buffer;
+  if (capacity == numel) {
+    buffer = Upload(data, element, dims, device_index);
+  } else {
+    std::vector<char> padded;
+    try {
+      padded.assign(static_cast<size_t>(capacity) * esize, 0);
+    } catch (const std::bad_alloc&) {
+      ThrowOutOfMemory(static_cast<int64_t>(nbytes), device_index, "The host staging copy could not be allocated.");
+    }
+    if (nbytes) std::memcpy(padded.data(), data, static_cast<size_t>(numel) * esize);
+    buffer = Upload(padded.data(), element, dims, device_index);
+    metrics_.host_to_device_bytes -= (capacity - numel) * static_cast<int64_t>(esize);  // padding: not data
+  }
+  return StorageBuffer{std::move(buffer), element, capacity, std::move(producer)};
 }
 
 std::shared_ptr<pjrt::Buffer> Runtime::ScalarBuffer(const void* bytes, hlo::ElementType element,

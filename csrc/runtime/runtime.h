@@ -35,9 +35,23 @@ struct Metrics {
   std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count
 };
 
+// Elements a storage's buffer holds for a storage of `numel` elements of
+// its element type (DESIGN.md, "Memory model", capacity): 0 for 0, 16 up to
+// 16, else `numel` rounded up to the next of 8 steps per power of two
+// (n in (p, 2p] rounds up to a multiple of p/8). The overhead is under
+// 12.5% above 16 elements (at most 16 elements below). Buckets are what
+// lets one shape-polymorphic program serve many lengths (the PJRT client
+// checks each input buffer's size against the program's parameter). A
+// power-of-two k dividing `numel` (k <= 16) divides the capacity, so the
+// buffer reinterprets as k-wide elements as the storage does.
+int64_t Capacity(int64_t numel);
+
 // A device buffer holding the whole contents of one storage: rank 1,
-// `numel` elements of `element`. The producer names the op that wrote it,
-// for errors that surface later.
+// `numel` elements of `element` — the buffer's own element count, at least
+// the storage's (nbytes / element size): Capacity() of it for every buffer
+// the runtime gives a storage. Elements past the storage's are padding:
+// never read as values, of no defined content. The producer names the op
+// that wrote it, for errors that surface later.
 struct StorageBuffer {
   std::shared_ptr<pjrt::Buffer> buffer;
   hlo::ElementType element = hlo::ElementType::kF32;
@@ -143,6 +157,12 @@ class Runtime {
   const pjrt::CompileOptions& compile_options() const { return compile_options_; }
   Metrics& metrics() { return metrics_; }
 
+  // Host data (`nbytes`, a whole number of `element`s) -> a storage buffer
+  // of Capacity(nbytes / element size) elements (the padding is zeros,
+  // staged on the host only when there is any). Counts `nbytes` as
+  // transferred.
+  StorageBuffer UploadStorage(const void* data, size_t nbytes, hlo::ElementType element, int device_index,
+                              std::string producer);
   // Host data (dense, row-major) -> a new device buffer.
   std::shared_ptr<pjrt::Buffer> Upload(const void* data, hlo::ElementType element,
                                        std::span<const int64_t> dims, int device_index);
@@ -151,7 +171,8 @@ class Runtime {
   // other repeated scalars cost no transfer).
   std::shared_ptr<pjrt::Buffer> ScalarBuffer(const void* bytes, hlo::ElementType element, int device_index);
 
-  // Host data (dense, row-major, exactly the buffer's nbytes) written into
+  // Host data (dense, row-major, the buffer's first nbytes: a storage's
+  // bytes, the capacity's padding left as it is) written into
   // `buffer`'s existing device buffer in place, where that is safe: the
   // storage is the buffer's only holder (use_count 1: no other storage,
   // pending check or kept debug input), no tracked launch is running (none
@@ -160,8 +181,9 @@ class Runtime {
   // otherwise; the caller then uploads a new buffer. Saves the fresh
   // allocation's page faults of an Upload on the CPU plugin.
   bool OverwriteInPlace(StorageBuffer& buffer, const void* data, size_t nbytes);
-  // Device buffer -> host, blocking; an execution error is rethrown naming
-  // `producer`.
+  // The first `nbytes` of a device buffer (at most its size: a storage's
+  // bytes without the capacity's padding) -> host, blocking; an execution
+  // error is rethrown naming `producer`.
   void Download(const StorageBuffer& buffer, void* dst, size_t nbytes);
 
   // Index checks computed by launched programs (a pred scalar each: true
