@@ -139,8 +139,27 @@ struct IndexCheck {
   bool runtime_error = false;
 };
 
+// Whether, and how, the eager executors may run an entry's lowering on a
+// bucketed leading dim (shape polymorphism, DESIGN.md "One ATen call"):
+// the program computes rows [0, B) of the inputs whose leading dim is the
+// call's dynamic extent n <= B, and rows [n, B) — the padding — hold `fill`
+// where the op could carry them into a result row (a reduction over the
+// leading dim), or anything (kAny: every result row reads only its own
+// input rows, as elementwise ops). kNone: exact shapes only.
+enum class PadFill : uint8_t {
+  kNone,
+  kAny,
+  kZero,     // sum, any, nansum, count_nonzero
+  kOne,      // prod, all
+  kLowest,   // amax: -inf, or the integer type's minimum (false for bool)
+  kHighest,  // amin: +inf, or the integer type's maximum (true for bool)
+};
+
 struct LoweringTraits {
   bool needs_rng = false;
+  // Set by the registry for the families that are exact on a bucketed
+  // leading dim (registry.cpp, kShapePoly); never by an entry itself.
+  PadFill shape_poly = PadFill::kNone;
   // Only for whole-graph lowering (torch.compile): view ops (view, permute,
   // slice, ...) computed as values — eager tpu views are metadata over a
   // shared storage and never reach a lowering — and ops whose eager form

@@ -12,12 +12,47 @@ std::unordered_map<std::string_view, LoweringEntry>& Registry() {
   return *registry;
 }
 
+// The families whose lowerings are exact on a bucketed leading dim
+// (LoweringTraits::shape_poly): elementwise ops (every result element reads
+// only the input elements at its own index, after broadcasting), data
+// movement and casts (copy_, clone, fill_, zero_), and reductions whose
+// padding is filled with their identity. Not here: ops whose result depends
+// on the extent itself (mean divides by it; var, std, norms), on positions
+// (argmax, cumsum, sort, indexing), or on random streams.
+const std::unordered_map<std::string_view, PadFill>& ShapePolyFamilies() {
+  static const auto* table = [] {
+    auto* t = new std::unordered_map<std::string_view, PadFill>();
+    for (std::string_view name :
+         {"add", "sub", "rsub", "mul", "div", "floor_divide", "remainder", "fmod", "pow", "neg", "abs", "sign",
+          "sgn", "reciprocal", "sqrt", "rsqrt", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin",
+          "cos", "tan", "tanh", "sigmoid", "erf", "erfinv", "floor", "ceil", "trunc", "round", "frac", "clamp",
+          "clamp_min", "clamp_max", "maximum", "minimum", "fmax", "fmin", "lerp", "addcmul", "addcdiv", "where",
+          "masked_fill", "eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "nan_to_num", "logical_and",
+          "logical_or", "logical_xor", "logical_not", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
+          "relu", "threshold", "threshold_backward", "gelu", "gelu_backward", "silu", "silu_backward",
+          "sigmoid_backward", "tanh_backward", "hardtanh", "hardtanh_backward", "leaky_relu",
+          "leaky_relu_backward", "elu", "elu_backward", "softplus", "softplus_backward", "mish", "hardsigmoid",
+          "hardsigmoid_backward", "hardswish", "hardswish_backward", "copy", "clone", "fill", "zero"})
+      t->emplace(name, PadFill::kAny);
+    for (std::string_view name : {"sum", "nansum", "count_nonzero", "any"}) t->emplace(name, PadFill::kZero);
+    for (std::string_view name : {"prod", "all"}) t->emplace(name, PadFill::kOne);
+    t->emplace("amax", PadFill::kLowest);
+    t->emplace("amin", PadFill::kHighest);
+    return t;
+  }();
+  return *table;
+}
+
 }  // namespace
 
 LoweringRegistrar::LoweringRegistrar(std::initializer_list<LoweringEntry> entries) {
   for (const auto& e : entries) {
     auto [it, inserted] = Registry().emplace(e.name, e);
     if (!inserted) throw std::logic_error("duplicate lowering for " + std::string(e.name));
+    auto family = ShapePolyFamilies().find(e.name);
+    it->second.traits.shape_poly =
+        family != ShapePolyFamilies().end() && !e.traits.needs_rng && !e.traits.graph_only ? family->second
+                                                                                          : PadFill::kNone;
   }
 }
 

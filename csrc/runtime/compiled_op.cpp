@@ -10,6 +10,8 @@
 #include <bit>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
 #include <iostream>
@@ -171,17 +173,25 @@ void AppendStatic(std::vector<int64_t>& atoms, const c10::IValue& v) {
 }
 
 
-void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& ids) {
+// `dynamic`: keyed with size(0) = extent and whether t covers its storage's
+// bytes (instead of their count); extent < 0 leaves out the buffer size.
+void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& ids, bool dynamic = false,
+                  int64_t extent = 0) {
   if (!ids.seen.empty() && ids.seen.front()->device_index() != StorageOf(t).device_index())
     throw std::runtime_error("Expected all tensors to be on the same device, but found at least two devices, tpu:" +
                              std::to_string(ids.seen.front()->device_index()) + " and " + t.device().str() + "!");
   atoms.push_back(static_cast<int64_t>(t.scalar_type()));
   atoms.push_back(t.dim());
-  for (int64_t s : t.sizes()) atoms.push_back(s);
+  for (int64_t d = 0; d < t.dim(); ++d) atoms.push_back(dynamic && d == 0 ? extent : t.size(d));
   for (int64_t s : t.strides()) atoms.push_back(s);
   atoms.push_back(t.storage_offset());
-  atoms.push_back(StorageNumel(t));
-  atoms.push_back(static_cast<int64_t>(StorageOf(t).nbytes()));  // WriteTensor: does a write cover it all?
+  if (dynamic) {
+    atoms.push_back(extent < 0 ? -1 : StorageNumel(t));
+    atoms.push_back(static_cast<int64_t>(StorageOf(t).nbytes()) == t.numel() * static_cast<int64_t>(t.element_size()));
+  } else {
+    atoms.push_back(StorageNumel(t));
+    atoms.push_back(static_cast<int64_t>(StorageOf(t).nbytes()));  // WriteTensor: does a write cover it all?
+  }
   atoms.push_back(static_cast<int64_t>(StorageElement(t)));
   atoms.push_back(ids.Id(&StorageOf(t)));
 }
@@ -196,7 +206,8 @@ int64_t StorageIds::Id(const DeviceStorage* s) {
 }
 
 void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
-                   const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& ids) {
+                   const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& ids,
+                   std::span<const int8_t> dynamic, int64_t extent) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   bool has_f64 = CallHasF64(args, stack, first);
@@ -210,7 +221,8 @@ void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack
         atoms.push_back(1);
       } else if (OnTpu(t)) {
         atoms.push_back(2);
-        AppendTensor(atoms, t, ids);
+        const bool dyn = i < dynamic.size() && dynamic[i];
+        AppendTensor(atoms, t, ids, dyn, extent);
       } else if (t.dim() == 0 && t.device().is_cpu()) {
         atoms.push_back(3);
         atoms.push_back(static_cast<int64_t>(t.scalar_type()));
@@ -348,7 +360,7 @@ bool DumpHlo() {
 }  // namespace
 
 CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
-                     bool out_resized_by_numel) {
+                     bool out_resized_by_numel, std::span<const int8_t> dynamic, int64_t extent) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   // CPU 0-d tensors stay on the CPU for type promotion; meta kernels that
@@ -363,6 +375,12 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
         // An empty out: the meta kernel gives the natural output sizes
         // (and does not warn about resizing a tensor CPU would keep).
         meta_stack.push_back(at::empty({0}, v.toTensor().options().device(c10::kMeta)));
+        continue;
+      }
+      if (i < dynamic.size() && dynamic[i]) {  // a bucketed leading dim (shape polymorphism)
+        std::vector<int64_t> sizes = v.toTensor().sizes().vec();
+        sizes[0] = extent;
+        meta_stack.push_back(at::empty(sizes, v.toTensor().options().device(c10::kMeta)));
         continue;
       }
       meta_stack.push_back(attempt == 1 && v.isTensor() && v.toTensor().defined() && v.toTensor().is_cpu()
@@ -455,14 +473,73 @@ hlo::Value ProgramBuilder::ReadFlat(StorageState& st) {
   return *st.param;
 }
 
+namespace {
+
+// The value rows past the extent hold for `fill` (PadFill): the identity of
+// the reduction the op makes over them. Throws UnsupportedOp for an element
+// type without one (complex max/min, u64's maximum).
+hlo::Value FillConstant(hlo::Builder& b, hlo::ElementType e, lowering::PadFill fill, std::span<const int64_t> dims) {
+  using lowering::PadFill;
+  using E = hlo::ElementType;
+  auto splat = [&](hlo::Value scalar) { return b.BroadcastInDim(scalar, dims, {}); };
+  if (fill == PadFill::kZero || fill == PadFill::kOne) return lowering::Const(b, e, fill == PadFill::kOne ? 1 : 0, dims);
+  const bool lowest = fill == PadFill::kLowest;
+  if (hlo::IsFloating(e)) return lowering::Const(b, e, lowest ? -INFINITY : INFINITY, dims);
+  if (e == E::kPred) return lowering::Const(b, e, lowest ? 0 : 1, dims);
+  hlo::TensorType scalar{e, {}};
+  switch (e) {
+    case E::kS8: return splat(b.ConstantInt(scalar, lowest ? INT8_MIN : INT8_MAX));
+    case E::kS16: return splat(b.ConstantInt(scalar, lowest ? INT16_MIN : INT16_MAX));
+    case E::kS32: return splat(b.ConstantInt(scalar, lowest ? INT32_MIN : INT32_MAX));
+    case E::kS64: return splat(b.ConstantInt(scalar, lowest ? INT64_MIN : INT64_MAX));
+    case E::kU8: return splat(b.ConstantInt(scalar, lowest ? 0 : UINT8_MAX));
+    case E::kU16: return splat(b.ConstantInt(scalar, lowest ? 0 : UINT16_MAX));
+    case E::kU32: return splat(b.ConstantInt(scalar, lowest ? 0 : static_cast<int64_t>(UINT32_MAX)));
+    default: throw UnsupportedOp("shape polymorphism: no padding value for this element type");
+  }
+}
+
+}  // namespace
+
+hlo::Value ProgramBuilder::PolyRows(const at::Tensor& t, hlo::Value flat) {
+  std::vector<int64_t> dims = t.sizes().vec();
+  dims[0] = poly->bucket;
+  hlo::Value x = b.Reshape(lowering::ResizeFlat(b, flat, lowering::Numel(dims)), dims);
+  if (poly->fill == lowering::PadFill::kAny) return x;
+  if (!poly->extent) {
+    if (b.num_parameters() != inputs.size()) throw std::logic_error("ProgramBuilder: parameters and inputs out of step");
+    poly->extent = b.Parameter(hlo::TensorType{hlo::ElementType::kS64, {}});
+    InputSlot slot;
+    slot.kind = InputSlot::Kind::kExtent;
+    slot.arg = poly->leader;
+    slot.element = hlo::ElementType::kS64;
+    inputs.push_back(slot);
+  }
+  hlo::Value row = b.Iota(hlo::TensorType{hlo::ElementType::kS64, dims}, 0);
+  hlo::Value n = b.BroadcastInDim(*poly->extent, dims, {});
+  return b.Select(b.Compare(row, n, hlo::CompareDirection::kLT), x, FillConstant(b, x.element(), poly->fill, dims));
+}
+
 hlo::Value ProgramBuilder::ReadTensor(const at::Tensor& t, const InputSlot& use) {
   StorageState& st = StateFor(t, use);
+  if (PolyDynamic(use)) return PolyRows(t, ReadFlat(st));  // same element type: PlanPoly checked
   hlo::Value flat = lowering::ReinterpretFlat(b, ReadFlat(st), lowering::ToElementType(t.scalar_type()));
   return lowering::ReadView(b, flat, LayoutOf(t));
 }
 
 void ProgramBuilder::WriteTensor(const at::Tensor& t, const InputSlot& use, hlo::Value value) {
   StorageState& st = StateFor(t, use);
+  if (poly) {
+    // A dynamic tensor covering its storage (PlanPoly): the storage's new
+    // buffer is the [bucket, rest...] rows, flat.
+    if (!PolyDynamic(use)) throw UnsupportedOp("shape polymorphism: writes a tensor without the dynamic dim");
+    std::vector<int64_t> dims = t.sizes().vec();
+    dims[0] = poly->bucket;
+    value = lowering::Prepare(b, value, t.scalar_type(), dims);
+    int64_t flat[] = {lowering::Numel(dims)};
+    st.current = b.Reshape(value, flat);
+    return;
+  }
   value = lowering::Prepare(b, value, t.scalar_type(), t.sizes().vec());
   const hlo::ElementType element = value.element();
   const int64_t numel = t.numel();
@@ -704,19 +781,125 @@ std::unique_ptr<pjrt::Executable> CompileModule(const std::string& name, const s
 
 namespace {
 
+// How a call runs on a bucketed leading dim (PlanPoly).
+struct PolyPlan {
+  std::vector<int8_t> dynamic;  // per argument: a tensor whose dim 0 is the extent
+  int16_t leader = -1;          // the argument the extent is read from at launch
+  int64_t extent = 0;           // this call's
+  int64_t bucket = 0;           // Capacity(extent)
+};
+
+// Whether the call can share a program with calls of other leading dims,
+// and how: its entry is shape_poly, no out= or tensor-list argument; the
+// tpu tensors of the highest rank R >= 1 have dim 0 equal to the leader's
+// n >= 1 (dynamic: contiguous, offset 0, typed as their storage, and
+// covering it if written) or 1 (broadcast); lower-rank tensors broadcast
+// against the other dims and are static; every written tensor is dynamic.
+// n = 0 stays static (meta kernels raise for empty reductions). Broadcast
+// validity is then the same for every n (so a hit needs no meta kernel).
+bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+              const lowering::LoweringEntry& entry, PolyPlan& plan) {
+  if (entry.traits.shape_poly == lowering::PadFill::kNone || entry.traits.needs_rng) return false;
+  const auto& args = op.schema().arguments();
+  int64_t rank = 0;
+  int16_t leader = -1;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = stack[first + i];
+    if (IsOutArg(args[i]) || IsTensorListValue(v)) return false;
+    if (!v.isTensor() || !v.toTensor().defined() || !OnTpu(v.toTensor())) continue;
+    if (v.toTensor().dim() > rank) {
+      rank = v.toTensor().dim();
+      leader = static_cast<int16_t>(i);
+    }
+  }
+  if (leader < 0) return false;
+  const int64_t n = stack[first + static_cast<size_t>(leader)].toTensor().size(0);
+  if (n < 1) return false;
+  plan.dynamic.assign(args.size(), 0);
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = stack[first + i];
+    const bool written = args[i].alias_info() && args[i].alias_info()->isWrite();
+    if (!v.isTensor() || !v.toTensor().defined() || !OnTpu(v.toTensor())) {
+      if (written) return false;
+      continue;
+    }
+    const at::Tensor& t = v.toTensor();
+    if (t.dim() == rank && t.size(0) == n) {
+      if (!t.is_contiguous() || t.storage_offset() != 0 || t.is_conj() || t.is_neg() ||
+          StorageElement(t) != lowering::ToElementType(t.scalar_type()))
+        return false;
+      if (written && static_cast<int64_t>(StorageOf(t).nbytes()) != t.numel() * static_cast<int64_t>(t.element_size()))
+        return false;
+      plan.dynamic[i] = 1;
+    } else if (written || (t.dim() == rank && t.size(0) != 1)) {
+      return false;
+    }
+  }
+  plan.leader = leader;
+  plan.extent = n;
+  plan.bucket = Capacity(n);
+  return true;
+}
+
+// The call's spec at the bucket, after checking that every output either
+// keeps its sizes when the extent changes or has the extent as dim 0 (and
+// its other dims kept); `dynamic_out` marks the latter. Throws UnsupportedOp
+// otherwise.
+CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                  const lowering::LoweringEntry& entry, const PolyPlan& plan, std::vector<bool>& dynamic_out) {
+  CallSpec real = ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);  // raises as the static path
+  if (!real.resize_outputs.empty()) throw UnsupportedOp("shape polymorphism: resizes an output");
+  CallSpec at_b = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket);
+  CallSpec at_b1 = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket + 1);
+  const size_t n = real.outputs.size();
+  if (at_b.outputs.size() != n || at_b1.outputs.size() != n || at_b.defined != real.defined ||
+      at_b1.defined != real.defined || at_b.return_alias != real.return_alias || !at_b.resize_outputs.empty())
+    throw UnsupportedOp("shape polymorphism: outputs change with the extent");
+  dynamic_out.assign(n, false);
+  for (size_t r = 0; r < n; ++r) {
+    if (!real.defined[r]) continue;
+    const auto &sr = real.outputs[r].sizes, &sb = at_b.outputs[r].sizes, &sb1 = at_b1.outputs[r].sizes;
+    if (real.outputs[r].dtype != at_b.outputs[r].dtype || at_b.outputs[r].dtype != at_b1.outputs[r].dtype)
+      throw UnsupportedOp("shape polymorphism: output dtype changes with the extent");
+    if (sb == sb1) {
+      if (sb != sr) throw UnsupportedOp("shape polymorphism: output sizes change with the extent");
+    } else {
+      if (sr.empty() || sb.size() != sr.size() || sb1.size() != sr.size() || sr[0] != plan.extent ||
+          sb[0] != plan.bucket || sb1[0] != plan.bucket + 1 || !std::equal(sr.begin() + 1, sr.end(), sb.begin() + 1) ||
+          !std::equal(sr.begin() + 1, sr.end(), sb1.begin() + 1))
+        throw UnsupportedOp("shape polymorphism: output sizes are not the extent and static dims");
+      dynamic_out[r] = true;
+    }
+    if (real.return_alias[r] >= 0 && !dynamic_out[r])
+      throw UnsupportedOp("shape polymorphism: writes a tensor without the dynamic dim");
+  }
+  return at_b;
+}
+
+// `plan`: a shape-polymorphic program for the plan's bucket (OpCache::Lookup).
 std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
-                                    size_t first, const lowering::LoweringEntry& entry) {
+                                    size_t first, const lowering::LoweringEntry& entry,
+                                    const PolyPlan* plan = nullptr) {
   const auto& schema = op.schema();
   auto compiled = std::make_unique<CompiledOp>();
   compiled->entry = &entry;
   compiled->name = schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
-  CallSpec spec = ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);
-  ApplyResizes(spec, stack, first);
+  std::vector<bool> dynamic_out;
+  CallSpec spec = plan ? PolySpec(op, stack, first, entry, *plan, dynamic_out)
+                       : ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);
+  if (!plan) ApplyResizes(spec, stack, first);
   compiled->resize_outputs = spec.resize_outputs;
   compiled->spec = spec;
 
   ProgramBuilder pb;
+  if (plan) {
+    pb.poly = ProgramBuilder::Poly{plan->dynamic, plan->bucket, plan->leader, entry.traits.shape_poly, std::nullopt};
+    compiled->poly_leader = plan->leader;
+    compiled->poly_bucket = plan->bucket;
+  }
   auto new_values = pb.AddCall(0, op, stack, first, entry, spec);
+  // Checks would see the padding rows (a divisor of 0 there): exact shapes.
+  if (plan && !pb.index_checks.empty()) throw UnsupportedOp("shape polymorphism: the op checks its values");
 
   // Outputs: new tensors first, then written storages.
   std::vector<hlo::Value> program_results;
@@ -731,7 +914,10 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     }
     const auto& out = spec.outputs[r];
     int64_t flat_dims[] = {new_values[r]->type.numel()};
-    const int64_t n = Capacity(flat_dims[0]);
+    const bool dynamic = plan && dynamic_out[r];
+    // A dynamic output's buffer is its [bucket, rest...] rows: at least
+    // the capacity's elements for every extent of the bucket.
+    const int64_t n = dynamic ? flat_dims[0] : Capacity(flat_dims[0]);
     program_results.push_back(lowering::ResizeFlat(pb.b, pb.b.Reshape(*new_values[r], flat_dims), n));
     OutputSlot slot;
     slot.kind = OutputSlot::Kind::kNewTensor;
@@ -739,6 +925,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     slot.sizes = out.sizes;
     slot.element = lowering::ToElementType(out.dtype);
     slot.numel = n;
+    slot.dynamic = dynamic;
     compiled->returns.push_back({false, static_cast<int16_t>(compiled->outputs.size())});
     compiled->outputs.push_back(std::move(slot));
   }
@@ -821,13 +1008,23 @@ size_t MaxCachedExecutables() {
   return limit;
 }
 
+bool ShapePolyEnabled() {
+  static const bool enabled = [] {
+    const char* e = std::getenv("TORCH_TPU_SHAPE_POLY");
+    if (!e || !*e || std::string(e) == "1") return true;
+    if (std::string(e) == "0") return false;
+    throw std::invalid_argument(std::string("TORCH_TPU_SHAPE_POLY must be 0 or 1, got '") + e + "'");
+  }();
+  return enabled;
+}
+
 std::atomic<int64_t>& ExecutableEvictions() {
   static std::atomic<int64_t> evictions{0};
   return evictions;
 }
 
 std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
-                                                  const lowering::LoweringEntry& entry) {
+                                                  const lowering::LoweringEntry& entry, bool shape_poly) {
   size_t num_args = op.schema().arguments().size();
   size_t first = stack.size() - num_args;
   thread_local OpKey key;
@@ -838,8 +1035,52 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     metrics.cache_hits++;
     return hit;
   }
+  // Shape churn (DESIGN.md "One ATen call", dynamic dims): the exact key
+  // missed; a call of a family that compiled kPolyAfter shapes already is
+  // served by (or compiles) the program for its bucket.
+  PolyPlan plan;
+  int* family = nullptr;
+  if (shape_poly && ShapePolyEnabled() && PlanPoly(op, stack, first, entry, plan)) {
+    thread_local OpKey poly_key;
+    poly_key.op = key.op;
+    poly_key.atoms.clear();
+    StorageIds ids;
+    AppendCallKey(op, stack, first, entry, poly_key.atoms, ids, plan.dynamic, -1);
+    size_t h = std::hash<const void*>()(key.op);
+    for (int64_t a : poly_key.atoms) h = c10::hash_combine(h, std::hash<int64_t>()(a));
+    if (families_.size() > (size_t{1} << 16)) families_.clear();  // a bound; only the heuristic forgets
+    family = &families_[h];
+    if (*family >= kPolyAfter) {
+      poly_key.atoms.clear();
+      poly_key.atoms.push_back(-1);  // not a default dtype: no exact key starts so
+      poly_key.atoms.push_back(plan.bucket);
+      poly_key.atoms.push_back(plan.leader);
+      StorageIds poly_ids;
+      AppendCallKey(op, stack, first, entry, poly_key.atoms, poly_ids, plan.dynamic, plan.bucket);
+      h = std::hash<const void*>()(key.op);
+      for (int64_t a : poly_key.atoms) h = c10::hash_combine(h, std::hash<int64_t>()(a));
+      poly_key.hash = h;
+      if (auto hit = cache_.Find(poly_key)) {
+        metrics.cache_hits++;
+        return hit;
+      }
+      std::shared_ptr<const CompiledOp> compiled;
+      try {
+        compiled = Compile(op, stack, first, entry, &plan);
+      } catch (const std::exception&) {
+        compiled = nullptr;  // the static program below (which raises what the call raises)
+      }
+      if (compiled) {
+        metrics.cache_misses++;
+        return cache_.Insert(poly_key, std::move(compiled));
+      }
+      *family = -1;  // declined: this family keeps exact shapes
+      family = nullptr;
+    }
+  }
   metrics.cache_misses++;
   std::shared_ptr<const CompiledOp> compiled = Compile(op, stack, first, entry);
+  if (family && *family >= 0) ++*family;
   return cache_.Insert(key, std::move(compiled));
 }
 
@@ -896,7 +1137,11 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
   li.device_index = device_index < 0 ? default_device : device_index;
   for (size_t i = 0; i < inputs.size(); ++i) {
     const InputSlot& s = inputs[i];
-    if (s.kind == InputSlot::Kind::kScalar) {
+    if (s.kind == InputSlot::Kind::kExtent) {
+      const int64_t n = TensorOf(arg_of, s.call, s.arg, -1).size(0);
+      li.temps.push_back(rt.ScalarBuffer(&n, hlo::ElementType::kS64, li.device_index));
+      li.buffers[i] = li.temps.back().get();
+    } else if (s.kind == InputSlot::Kind::kScalar) {
       const c10::IValue& v = arg_of(s.call, s.arg);
       c10::Scalar scalar = v.isTensor() ? v.toTensor().item() : v.toScalar();
       alignas(16) char bytes[16] = {};
@@ -962,6 +1207,10 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
     StorageBuffer sb{std::shared_ptr<pjrt::Buffer>(std::move(outs[i])), o.element, o.numel, op.name};
     if (o.kind == OutputSlot::Kind::kIndexCheck) {
       rt.AddPendingCheck(std::move(sb.buffer), op.check_messages[check++]);
+    } else if (o.kind == OutputSlot::Kind::kNewTensor && o.dynamic) {
+      std::vector<int64_t> sizes = o.sizes;
+      sizes[0] = TensorOf(arg_of, 0, op.poly_leader, -1).size(0);
+      new_tensors.push_back(WrapBuffer(std::move(sb), sizes, o.dtype, li.device_index));
     } else if (o.kind == OutputSlot::Kind::kNewTensor) {
       new_tensors.push_back(WrapBuffer(std::move(sb), o.sizes, o.dtype, li.device_index));
     } else {

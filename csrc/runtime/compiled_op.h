@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <mutex>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -45,7 +46,9 @@ struct OpKeyHash {
 
 // Where each runtime input of the executable comes from at launch.
 struct InputSlot {
-  enum class Kind : uint8_t { kStorage, kScalar, kRng };
+  // kExtent: the dynamic extent of a shape-polymorphic program (an s64
+  // scalar): size(0) of argument `arg`.
+  enum class Kind : uint8_t { kStorage, kScalar, kRng, kExtent };
   Kind kind = Kind::kStorage;
   int32_t call = 0;   // which call of a fused region (0 for a single op)
   int16_t arg = 0;    // argument position in the call
@@ -60,9 +63,10 @@ struct OutputSlot {
   Kind kind = Kind::kNewTensor;
   int16_t arg = -1, item = -1;  // kStorageWrite: whose storage is replaced
   at::ScalarType dtype = at::kFloat;
-  std::vector<int64_t> sizes;   // kNewTensor
+  std::vector<int64_t> sizes;   // kNewTensor (sizes[0]: the bucket where `dynamic`)
   hlo::ElementType element = hlo::ElementType::kF32;
-  int64_t numel = 0;
+  int64_t numel = 0;            // elements of the output buffer
+  bool dynamic = false;         // kNewTensor: sizes[0] is the launch's extent
 };
 
 // The op's returns: a new tensor (index into outputs) or an argument
@@ -95,11 +99,19 @@ struct CompiledOp {
   // out= arguments resized (to these sizes) before each launch.
   std::vector<std::pair<int16_t, std::vector<int64_t>>> resize_outputs;
   std::string module_text;  // kept for TORCH_TPU_DUMP_HLO and errors
+  // A shape-polymorphic program (OpCache::Lookup): serves every call whose
+  // argument `poly_leader` has size(0) in (.., poly_bucket]; `spec` is the
+  // call's at the bucket then, not any one call's.
+  int16_t poly_leader = -1;
+  int64_t poly_bucket = 0;
 };
 
 // Runs the op on meta tensors; throws UnsupportedOp if it cannot.
+// `dynamic` (per argument, may be empty): the tensor arguments marked 1 are
+// seen with size(0) = `extent` (contiguous).
 CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
-                     bool out_resized_by_numel = false);
+                     bool out_resized_by_numel = false, std::span<const int8_t> dynamic = {},
+                     int64_t extent = 0);
 void ApplyResizes(const CallSpec& spec, const torch::jit::Stack& stack, size_t first);
 
 // Builds one program from one or more ATen calls over tpu storages
@@ -126,6 +138,19 @@ class ProgramBuilder {
   // (LoweringContext::check; message marked by Runtime::ValueCheckMessage,
   // raised as RuntimeError): a pred value, true = failed.
   std::vector<std::pair<hlo::Value, std::string>> index_checks;
+  // Shape polymorphism (one call, call 0): the tensor arguments marked in
+  // `dynamic` are read as [bucket, rest...] (rows past the runtime extent —
+  // an s64 parameter, size(0) of argument `leader` — are the buffer's
+  // padding, or zeros, replaced by `fill` where that is not kAny) and
+  // written whole as [bucket * rest] buffers.
+  struct Poly {
+    std::vector<int8_t> dynamic;
+    int64_t bucket = 0;
+    int16_t leader = -1;
+    lowering::PadFill fill = lowering::PadFill::kAny;
+    std::optional<hlo::Value> extent;
+  };
+  std::optional<Poly> poly;
 
   // Lowers one call (arguments at stack[first...]); returns, per return,
   // the value of a new tensor (shaped and typed per `spec`), or nullopt
@@ -146,6 +171,11 @@ class ProgramBuilder {
   StorageState& StateFor(const at::Tensor& t, const InputSlot& use);
   hlo::Value ReadFlat(StorageState& st);
   hlo::Value ReadTensor(const at::Tensor& t, const InputSlot& use);
+  bool PolyDynamic(const InputSlot& use) const {
+    return poly && use.item < 0 && use.arg >= 0 && static_cast<size_t>(use.arg) < poly->dynamic.size() &&
+           poly->dynamic[static_cast<size_t>(use.arg)];
+  }
+  hlo::Value PolyRows(const at::Tensor& t, hlo::Value flat);  // [bucket, rest...] of a dynamic tensor
   void WriteTensor(const at::Tensor& t, const InputSlot& use, hlo::Value value);
   void AddIndexChecks(const std::string& name, const lowering::LoweringContext& ctx,
                       const lowering::LoweringEntry& entry);
@@ -187,6 +217,10 @@ std::string BaseName(const c10::FunctionSchema& schema);
 // ~25k mappings. Throws std::invalid_argument naming the variable if it is
 // not a positive integer.
 size_t MaxCachedExecutables();
+// Whether OpCache::Lookup may serve calls with shape-polymorphic programs:
+// TORCH_TPU_SHAPE_POLY=0 turns it off (exact shapes only; default 1).
+// Throws std::invalid_argument naming the variable for another value.
+bool ShapePolyEnabled();
 // Executables dropped by the in-memory caches' least-recently-used
 // eviction (torch_tpu.metrics()["executable_cache_evictions"]).
 std::atomic<int64_t>& ExecutableEvictions();
@@ -249,8 +283,16 @@ class OpCache {
   // The compiled op for this call (compiling on a miss); the caller holds
   // it while launching it (it may be evicted meanwhile). Throws
   // UnsupportedOp where the call cannot be lowered.
+  //
+  // `shape_poly` (the strict and debug executors; not the fused one, which
+  // lowers the call again with the returned spec): once an op has compiled
+  // for kPolyAfter distinct shapes that differ only in a leading dim, and
+  // its entry is shape_poly, a call whose leading dim n >= 1 is served by a
+  // program for the bucket of n (runtime::Capacity), n passed at launch
+  // (DESIGN.md "One ATen call", dynamic dims).
   std::shared_ptr<const CompiledOp> Lookup(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
-                                           const lowering::LoweringEntry& entry);
+                                           const lowering::LoweringEntry& entry, bool shape_poly = false);
+  static constexpr int kPolyAfter = 2;
   size_t size() {
     std::lock_guard<std::mutex> lock(mutex_);
     return cache_.size();
@@ -258,11 +300,15 @@ class OpCache {
   void Clear() {
     std::lock_guard<std::mutex> lock(mutex_);
     cache_.Clear();
+    families_.clear();
   }
 
  private:
   std::mutex mutex_;  // ops run on the Python thread and the autograd thread
   LruCache<OpKey, const CompiledOp, OpKeyHash> cache_;
+  // Static compiles per shape family (the key without leading dims and
+  // storage sizes); -1: a family the polymorphic path declined.
+  std::unordered_map<size_t, int> families_;
 };
 
 OpCache& GlobalOpCache();
@@ -273,8 +319,12 @@ struct StorageIds {
   std::vector<const DeviceStorage*> seen;
   int64_t Id(const DeviceStorage* s);
 };
+// `dynamic`/`extent` (shape-polymorphic keys): marked tensors are keyed with
+// size(0) = extent and, instead of the storage's bytes, whether they cover
+// them all; extent < 0 (a family key) leaves out their buffer sizes too.
 void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
-                   const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& storage_ids);
+                   const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& storage_ids,
+                   std::span<const int8_t> dynamic = {}, int64_t extent = 0);
 
 // Launches the op with the call's arguments (the last `num_args` values of
 // the stack), replaces them with the op's returns, and returns the new

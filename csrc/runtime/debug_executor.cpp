@@ -158,7 +158,7 @@ void CheckFinite(const std::string& op_name, const at::Tensor& t, const std::vec
 }  // namespace
 
 void RunDebug(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry) {
-  std::shared_ptr<const CompiledOp> held = GlobalOpCache().Lookup(op, *stack, entry);
+  std::shared_ptr<const CompiledOp> held = GlobalOpCache().Lookup(op, *stack, entry, /*shape_poly=*/true);
   const CompiledOp& compiled = *held;
   RunIndexChecks(op, *stack, entry, compiled.name);
   const size_t num_args = op.schema().arguments().size();

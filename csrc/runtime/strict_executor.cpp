@@ -8,7 +8,7 @@
 namespace torch_tpu::runtime {
 
 void RunStrict(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry) {
-  std::shared_ptr<const CompiledOp> compiled = GlobalOpCache().Lookup(op, *stack, entry);
+  std::shared_ptr<const CompiledOp> compiled = GlobalOpCache().Lookup(op, *stack, entry, /*shape_poly=*/true);
   Launch(*compiled, *stack, op.schema().arguments().size());
 }
 

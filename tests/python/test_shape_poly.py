@@ -1,0 +1,382 @@
+"""Shape-polymorphic eager programs and storage capacity (docs/design.md,
+"Memory model" capacity and "One ATen call" dynamic dims).
+
+- Storage buffers hold runtime.Capacity(n) >= n elements (16 up to 16, else
+  8 buckets per power of two); what PyTorch sees (nbytes, values, host
+  reads, element reads, in-place host copies, DLPack) is unchanged.
+- Once an op has compiled for OpCache::kPolyAfter (2) shapes differing only
+  in a leading dim, a call whose leading dim n >= 1 runs the program of n's
+  bucket, n a runtime input: elementwise ops, casts and copies compute the
+  bucket's rows (the padding rows are never visible), reductions fill the
+  padding rows with their identity (sum/any 0, prod/all 1, amax -inf or the
+  integer minimum, amin +inf or the maximum).
+
+Every expected value is CPU PyTorch's on the same inputs: exact for
+integers and bool, and for the floating ops below whose CPU result is one
+rounding of the same operations (elementwise ops); sums and products within
+float32's torch.testing tolerance (the reduction order differs). Compiles
+are counted (torch_tpu.metrics()["compiles"]) to show that one program
+serves a bucket.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch_tpu
+
+from conftest import no_cpu_fallback, run_python
+
+TPU = torch.device("tpu", 0)
+# Debug mode (the same programs, checked op by op) in the full tier: make test-full.
+MODES = ["strict", pytest.param("debug", marks=pytest.mark.full_tier)]
+# Bucket edges (16, 20, 128, 144): b-1, b, b+1, and 0, 1. Every length compiles at most once per
+# op and bucket, so the sweep stays short; the first two lengths of a family compile exact programs.
+EDGE_LENGTHS = [0, 1, 15, 16, 17, 19, 20, 21, 127, 128, 129, 143, 144, 145]
+
+
+def capacity(n: int) -> int:
+    """runtime::Capacity, restated (the test checks the documented rule)."""
+    if n <= 0:
+        return 0
+    if n <= 16:
+        return 16
+    p = 1 << ((n - 1).bit_length() - 1)  # n in (p, 2p]
+    step = p // 8
+    return -(-n // step) * step
+
+
+def _data(n, dtype=torch.float32, seed=0, special=True, shape_rest=()):
+    g = torch.Generator().manual_seed(seed + n)
+    if dtype.is_floating_point:
+        x = torch.randn((n, *shape_rest), generator=g, dtype=torch.float64).to(dtype)
+        if special and n >= 4:
+            x.view(-1)[1] = math.nan
+            x.view(-1)[2] = math.inf
+            x.view(-1)[3] = -math.inf
+        return x
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n, *shape_rest), generator=g).bool()
+    return torch.randint(-50, 50, (n, *shape_rest), generator=g).to(dtype)
+
+
+def _same(actual, expected, exact=True):
+    assert actual.device.type == "tpu"
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    if exact:
+        torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=0, equal_nan=True)
+    else:  # sums/products of many elements in another order: the OpInfo harness's reduction tolerance
+        torch.testing.assert_close(actual.cpu(), expected, rtol=1e-5, atol=5e-5, equal_nan=True)
+
+
+def _compiles():
+    return torch_tpu.metrics()["compiles"]
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    with torch_tpu.eager_mode(request.param):
+        yield request.param
+
+
+# --- capacity -------------------------------------------------------------
+
+def test_capacity_rule_and_overhead():
+    for n in range(0, 5000):
+        c = capacity(n)
+        assert c >= n
+        if n > 16:
+            assert c - n < n / 8, n  # under 12.5%
+        for k in (2, 4, 8, 16):
+            if n % k == 0:
+                assert c % k == 0, (n, k)  # reinterprets as k-wide elements
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, 19, 1000])
+def test_capacity_invisible(mode, n):
+    """Host reads, element reads, in-place host copies, resizes, dtype views
+    and DLPack see the storage's elements only."""
+    x = _data(n, special=False)
+    t = x.to(TPU)
+    assert t.untyped_storage().nbytes() == x.untyped_storage().nbytes()
+    _same(t, x)
+    y = (t * 2 + 1)
+    _same(y, x * 2 + 1)
+    assert y.untyped_storage().nbytes() == 4 * n
+    if n:
+        assert y[n - 1].item() == (x[n - 1] * 2 + 1).item()
+        assert [v.item() for v in y] == [v.item() for v in x * 2 + 1]
+    t.copy_(x.flip(0))  # host copy into the (padded) buffer, in place where possible
+    _same(t, x.flip(0))
+    _same(t.view(torch.int32), x.flip(0).view(torch.int32))
+    _same(t.view(torch.uint8), x.flip(0).view(torch.uint8))
+    u = torch.empty(n, device=TPU)
+    u.copy_(y)
+    _same(u, x * 2 + 1)
+    z = y.clone()
+    z.resize_(n + 3)
+    _same(z[:n], x * 2 + 1)
+    if n:
+        back = torch.from_dlpack(torch.utils.dlpack.to_dlpack(y))
+        _same(back, x * 2 + 1)
+
+
+# --- churn detection and compile counts ------------------------------------
+
+def test_static_workload_pays_nothing(strict):
+    x = torch.randn(100).to(TPU)
+    (x * 3 + 1).cpu()
+    before = _compiles()
+    for _ in range(5):
+        (x * 3 + 1).cpu()
+    assert _compiles() == before
+
+
+@pytest.fixture
+def strict():
+    with torch_tpu.eager_mode("strict"):
+        yield
+
+
+def test_twenty_lengths_bounded_compiles(strict):
+    """x*2+1 (mul, add) and x.sum() over 20 lengths in (64, 128]: buckets 72, 80, ..., 128.
+    Each op compiles at most kPolyAfter static programs plus one per bucket."""
+    # Unusual constants and dtype (float64) so that no earlier test warmed these families.
+    lengths = list(range(101, 121))
+    buckets = {capacity(n) for n in lengths}
+    before = _compiles()
+    for n in lengths:
+        x = _data(n, torch.float64, special=False)
+        t = x.to(TPU)
+        _same(t * 2.5 + 1.25, x * 2.5 + 1.25)
+        _same(t.sum(), x.sum(), exact=False)
+    compiles = _compiles() - before
+    bound = 3 * (2 + len(buckets))  # mul, add, sum
+    assert compiles <= bound, (compiles, bound)
+    assert compiles < 3 * len(lengths)
+    # Later lengths of the same buckets compile nothing.
+    before = _compiles()
+    for n in [102, 111, 117, 119]:
+        x = _data(n, torch.float64, seed=7, special=False)
+        t = x.to(TPU)
+        _same(t * 2.5 + 1.25, x * 2.5 + 1.25)
+        _same(t.sum(), x.sum(), exact=False)
+    assert _compiles() == before
+
+
+def test_disabled_by_env():
+    code = (
+        "import torch, torch_tpu\n"
+        "t0 = torch_tpu.metrics()['compiles']\n"
+        "for n in range(101, 111):\n"
+        "    x = torch.arange(n, dtype=torch.float64)\n"
+        "    assert torch.equal((x.to('tpu') * 3).cpu(), x * 3)\n"
+        "print(torch_tpu.metrics()['compiles'] - t0)\n"
+    )
+    on = run_python(code, timeout=300)
+    off = run_python(code, env={"TORCH_TPU_SHAPE_POLY": "0"}, timeout=300)
+    assert on.returncode == 0, on.stderr
+    assert off.returncode == 0, off.stderr
+    assert int(off.stdout.split()[-1]) == 10
+    assert int(on.stdout.split()[-1]) <= 2 + 2  # 2 static, then buckets 104 and 112
+
+
+# --- families --------------------------------------------------------------
+
+def _sweep(fn, dtypes=(torch.float32,), lengths=EDGE_LENGTHS, exact=True, rest=(), nargs=1, special=True):
+    with no_cpu_fallback():
+        for dtype in dtypes:
+            for n in lengths:
+                xs = [_data(n, dtype, seed=i, special=special, shape_rest=rest) for i in range(nargs)]
+                expected = fn(*xs)
+                actual = fn(*[x.to(TPU) for x in xs])
+                _same(actual, expected, exact=exact)
+
+
+ELEMENTWISE = {
+    "mul_add": (lambda x: x * 2 + 1, 1),
+    "sub_scalar_alpha_abs": (lambda x: torch.sub(x, 3, alpha=2).abs(), 1),
+    "exp": (lambda x: torch.exp(x), 1),
+    "add_maximum": (lambda x, y: torch.maximum(x + y, y), 2),
+    "where_lt": (lambda x, y: torch.where(x < y, x, y), 2),
+    "clamp_nan_to_num": (lambda x: torch.nan_to_num(x.clamp(-0.5, 0.5), nan=0.0), 1),
+    "addcmul": (lambda x, y, z: torch.addcmul(x, y, z, value=0.5), 3),  # CPU may fuse (FMA): not exact
+}
+
+
+@pytest.mark.parametrize("name", list(ELEMENTWISE))
+def test_elementwise_float(mode, name):
+    fn, nargs = ELEMENTWISE[name]
+    exact = name not in ("exp", "addcmul")  # XLA's exp is not glibc's: ulps apart
+    _sweep(fn, nargs=nargs, exact=exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.bool])
+def test_elementwise_integer_exact(mode, dtype):
+    if dtype == torch.bool:
+        _sweep(lambda x, y: (x & y) | ~x, dtypes=(dtype,), nargs=2)
+        return
+    _sweep(lambda x, y: torch.bitwise_xor(x * 3 + y, 5), dtypes=(dtype,), nargs=2)
+
+
+def test_broadcast_against_static(mode):
+    b = torch.randn(5)
+    col = torch.randn(1, 5)
+    with no_cpu_fallback():
+        for n in EDGE_LENGTHS:
+            x = _data(n, shape_rest=(5,))
+            _same(x.to(TPU) + b.to(TPU), x + b)
+            _same(x.to(TPU) * col.to(TPU), x * col)
+            _same(torch.where(x.to(TPU) > 0, x.to(TPU), b.to(TPU)), torch.where(x > 0, x, b))
+
+
+def test_mismatched_lengths_raise(strict):
+    """A static operand with another leading dim than the dynamic one raises as on CPU, also
+    where its size is the bucket the program was built for."""
+    for n in (17, 18, 19, 21):  # warm: static, static, then bucket 20
+        (torch.ones(n, device=TPU) + torch.ones(n, device=TPU)).cpu()
+    with pytest.raises(RuntimeError, match="must match the size"):
+        (torch.ones(19, device=TPU) + torch.ones(20, device=TPU)).cpu()
+    with pytest.raises(RuntimeError, match="must match the size"):
+        (torch.ones(20, device=TPU) + torch.ones(19, device=TPU)).cpu()
+
+
+@pytest.mark.parametrize("to", [torch.int32, torch.float64, torch.bool, torch.uint8])
+def test_casts(mode, to):
+    # Floats to integers in range only (C's conversion of NaN, inf or a negative float to uint8 is
+    # undefined; CPU and XLA need not agree).
+    _sweep(lambda x: (x.abs() * 10 if x.is_floating_point() and not to.is_floating_point else x).to(to),
+           dtypes=(torch.float32, torch.int64), special=False)
+    if to.is_floating_point or to == torch.bool:
+        _sweep(lambda x: x.to(to), dtypes=(torch.float32,), lengths=[3, 17, 40, 71])
+
+
+def test_fill_zero_copy_inplace(mode):
+    with no_cpu_fallback():
+        for n in EDGE_LENGTHS:
+            x = _data(n)
+            t = x.to(TPU)
+            t.fill_(2.5)
+            _same(t, torch.full((n,), 2.5))
+            t.zero_()
+            _same(t, torch.zeros(n))
+            y = _data(n, seed=3)
+            t.copy_(y.to(TPU))
+            _same(t, y)
+            t.add_(1).mul_(2)
+            _same(t, (y + 1) * 2)
+            i = torch.empty(n, dtype=torch.int64, device=TPU)
+            i.copy_(t.to(TPU).nan_to_num(0, 0, 0))
+            _same(i, ((y + 1) * 2).nan_to_num(0, 0, 0).to(torch.int64))
+
+
+REDUCTIONS = {
+    "sum": lambda x: x.sum(),
+    "sum_dim1": lambda x: x.sum(1),
+    "sum_keepdim": lambda x: x.sum(0, keepdim=True),
+    "prod": lambda x: x.prod(0),
+    "amax": lambda x: x.amax(0),
+    "amin": lambda x: x.amin(0),
+    "any": lambda x: (x > 1).any(0),
+    "all": lambda x: (x > -1).all(0),
+}
+
+
+@pytest.mark.parametrize("name", list(REDUCTIONS))
+def test_reductions_float(mode, name):
+    fn = REDUCTIONS[name]
+    lengths = [n for n in EDGE_LENGTHS if n > 0 or name not in ("amax", "amin")]
+    exact = name in ("amax", "amin", "any", "all")
+    # With NaN/inf in the data (amax/amin propagate NaN; padding never masks it).
+    _sweep(fn, lengths=lengths, exact=exact, rest=(3,))
+    _sweep(fn, lengths=lengths, exact=exact, rest=(3,), special=False)
+
+
+@pytest.mark.full_tier
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.int8])
+def test_reductions_integer_exact(mode, dtype):
+    for name, fn in REDUCTIONS.items():
+        _sweep(fn, dtypes=(dtype,), lengths=[1, 15, 17, 19, 21, 129], rest=(2,))
+
+
+def test_reductions_bool(mode):
+    _sweep(lambda x: x.amax(0), dtypes=(torch.bool,), lengths=[1, 15, 17, 33])
+    _sweep(lambda x: x.amin(0), dtypes=(torch.bool,), lengths=[1, 15, 17, 33])
+    _sweep(lambda x: x.all(0), dtypes=(torch.bool,), lengths=[1, 15, 17, 33])
+    _sweep(lambda x: x.sum(0), dtypes=(torch.bool,), lengths=[1, 15, 17, 33])
+
+
+def test_empty_reductions_raise_as_cpu(strict):
+    for n in (17, 19, 23, 25):  # the family goes polymorphic
+        torch.ones(n, device=TPU).amax(0).cpu()
+    with pytest.raises((RuntimeError, IndexError)):
+        torch.ones(0, device=TPU).amax(0).cpu()
+    _same(torch.ones(0, device=TPU).sum(0), torch.ones(0).sum(0))
+
+
+def test_all_nan_and_all_inf_rows(mode):
+    for n in [1, 15, 17, 33]:
+        x = torch.full((n, 2), math.nan)
+        _same(x.to(TPU).amax(0), x.amax(0))
+        x = torch.full((n, 2), -math.inf)
+        _same(x.to(TPU).amax(0), x.amax(0))
+        _same(x.to(TPU).sum(0), x.sum(0))
+        x = torch.full((n, 2), math.inf)
+        _same(x.to(TPU).amin(0), x.amin(0))
+        _same(x.to(TPU).prod(0), x.prod(0))
+
+
+def test_views_and_offsets(mode):
+    """Non-contiguous and offset views take the exact path; values as on CPU."""
+    with no_cpu_fallback():
+        for n in [3, 17, 33, 65]:
+            x = _data(2 * n + 1)
+            t = x.to(TPU)
+            _same(t[::2] * 2 + 1, x[::2] * 2 + 1)
+            _same(t[1:] * 2 + 1, x[1:] * 2 + 1)
+            _same(t[1:].sum(), x[1:].sum(), exact=False)
+            m = _data(n, shape_rest=(4,))
+            _same(m.to(TPU).t() + 1, m.t() + 1)
+            _same(m.to(TPU).t().amax(1), m.t().amax(1))
+
+
+def test_padding_never_reaches_index_checks(mode):
+    """Poly outputs carry padding rows computed from garbage; an index check over them reads
+    only the tensor's elements."""
+    src = torch.randn(300)
+    for n in [17, 19, 21, 23, 33, 60]:
+        idx = torch.arange(n) * 2
+        i = idx.to(TPU) * 1 + 0  # polymorphic once warm: padding rows after n
+        _same(src.to(TPU)[i], src[idx])
+        _same(src.to(TPU).index_select(0, i), src.index_select(0, idx))
+    bad = (torch.arange(20) * 100).to(TPU) * 1
+    with pytest.raises(IndexError):
+        src.to(TPU)[bad].cpu()
+
+
+def test_outputs_feed_other_ops(mode):
+    """Polymorphic outputs (buffers of the bucket's rows) as inputs of exact-shape ops, views,
+    cat, matmul and host reads."""
+    w = torch.randn(3, 4)
+    for n in [1, 17, 19, 21, 33, 47]:
+        x = _data(n, shape_rest=(3,), special=False)
+        y = x.to(TPU) * 2 - 1
+        e = x * 2 - 1
+        _same(y.view(-1), e.view(-1))
+        _same(torch.cat([y, y], 0), torch.cat([e, e], 0))
+        _same(y @ w.to(TPU), e @ w, exact=False)
+        _same(y.mean(0), e.mean(0), exact=False)
+        _same(y[-1], e[-1])
+        _same(y.cumsum(0), e.cumsum(0), exact=False)
+        _same(y.sum(0), e.sum(0), exact=False)
+
+
+def test_fused_mode_unchanged():
+    with torch_tpu.eager_mode("fused"):
+        for n in [17, 19, 21, 33]:
+            x = _data(n, special=False)
+            t = x.to(TPU)
+            _same((t * 2 + 1).sum(), (x * 2 + 1).sum(), exact=False)
+            _same(t * 2 + 1, x * 2 + 1)
