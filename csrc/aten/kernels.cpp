@@ -347,7 +347,8 @@ std::optional<at::Scalar> ElementFromHostCopy(const at::Tensor& self) {
   const runtime::StorageBuffer& cur = ds.Materialize(ds.current().element);
   if (runtime::ElementSize(cur.element) != self.element_size()) return std::nullopt;
   const size_t offset = static_cast<size_t>(self.storage_offset()) * self.element_size();
-  const size_t stored = static_cast<size_t>(cur.numel) * runtime::ElementSize(cur.element);
+  const size_t stored =  // the storage's bytes (not the buffer's capacity padding)
+      std::min(static_cast<size_t>(cur.numel) * runtime::ElementSize(cur.element), ds.nbytes());
   if (offset + self.element_size() > stored) return std::nullopt;
   std::lock_guard<std::mutex> lock(host_copy_mutex);
   if (host_copy.write_id != ds.write_id()) {
