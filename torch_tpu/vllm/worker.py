@@ -88,7 +88,6 @@ class TPUModelRunner(CPUModelRunner):
         by :meth:`warm_up_buckets` at start-up.
         """
         from torch_tpu.vllm import buckets
-        from torch_tpu.vllm.attention import TPUAttentionMetadata
 
         super().load_model(load_dummy_weights=load_dummy_weights)
         model = self.model
