@@ -23,7 +23,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logging config
 
 ATTN_BACKEND = "torch_tpu.vllm.attention.TPUPagedAttentionBackend"
 WORKER_CLS = "torch_tpu.vllm.worker.TPUWorker"

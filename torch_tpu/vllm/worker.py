@@ -34,7 +34,7 @@ from vllm.v1.worker.worker_base import CompilationTimes
 
 import torch_tpu.vllm.attention  # noqa: F401  (registers the attention backend)
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logging config
 
 TPU = torch.device("tpu", 0)
 
