@@ -11,7 +11,10 @@ ignored, and reports output tokens per second (wall clock) at 1 request
 
 1. vLLM on tpu: vLLM's OpenAI server (examples/serve_vllm.py's
    ``vllm_server``; compiled, buckets warmed up at start-up) queried with
-   httpx, 16 requests from 16 threads; one untimed request first.
+   httpx, 16 requests from 16 threads; one untimed request first.  And the
+   offline engine, ``vllm.LLM(...).generate`` (same limits, in a child
+   process, engine in-process), 1 prompt and then the 16 in one call, after
+   an untimed call of the same.
 2. HF ``generate()`` on tpu, batched: the 16 prompts as one batch (all the
    same length, so no padding), after one untimed generate of the same
    shapes (the per-op program caches are then warm).
@@ -29,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import json
+import subprocess
 import os
 import random
 import sys
@@ -55,6 +60,42 @@ def _serve_round(serve_vllm, url, model, prompts, new_tokens):
         if r["status"] != 200 or len(r["json"]["choices"][0]["token_ids"]) != new_tokens:
             raise RuntimeError(f"request failed: {r}")
     return new_tokens / t1, len(prompts) * new_tokens / tn
+
+
+def _offline_child(model_dir: str, prompts_json: str, new_tokens: int) -> None:
+    """In a child process: vLLM's offline engine on tpu; prints JSON rates."""
+    os.environ["TORCH_TPU_VLLM"] = "1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(prompts_json)]
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, block_size=16,
+              kv_cache_memory_bytes=64 << 20, max_num_seqs=16, max_num_batched_tokens=256,
+              seed=0)
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    rates = []
+    for batch in (prompts[:1], prompts):
+        llm.generate(batch, sp, use_tqdm=False)
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        if any(len(o.outputs[0].token_ids) != new_tokens for o in outs):
+            raise RuntimeError("offline generate gave fewer tokens")
+        rates.append(len(batch) * new_tokens / dt)
+    print("RATES " + json.dumps(rates), flush=True)
+
+
+def _offline_round(model_dir, prompts, new_tokens):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--offline-child", model_dir,
+                        json.dumps(prompts), str(new_tokens)], capture_output=True, text=True,
+                       env=env, timeout=1200)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RATES ")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"offline vLLM child failed ({p.returncode}): {p.stderr[-3000:]}")
+    return tuple(json.loads(lines[-1][6:]))
 
 
 def _hf_round(model_dir, device, prompts, new_tokens):
@@ -116,6 +157,8 @@ def main() -> None:
                 rows["vLLM on tpu (OpenAI server, compiled)"] = _serve_round(
                     serve_vllm, url, model, prompts, args.new_tokens)
         print(f"# {run} start: {start[run]:.1f} s to the first token", flush=True)
+    rows["vLLM on tpu (offline LLM.generate, compiled)"] = _offline_round(
+        model, prompts, args.new_tokens)
 
     import torch_tpu  # noqa: F401
     rows["HF generate() on tpu, batched"] = _hf_round(model, "tpu", prompts, args.new_tokens)
@@ -141,4 +184,7 @@ def _buckets():
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 5 and sys.argv[1] == "--offline-child":
+        _offline_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        main()
