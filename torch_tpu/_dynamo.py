@@ -69,7 +69,16 @@ def _decompositions() -> dict:
         if isinstance(op, torch._ops.OpOverload) and _C._graph_has_lowering(_qualified_name(op)):
             continue
         table[op] = fn
+    # An uninitialized buffer in a graph (vLLM's attention layer allocates its
+    # output with torch.empty and the backend copy_s into it): its contents
+    # are unspecified, so zeros are a valid value and lower as one constant.
+    table[aten.empty.memory_format] = _empty_as_zeros
     return table
+
+
+def _empty_as_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None,
+                    memory_format=None):
+    return torch.zeros(size, dtype=dtype, layout=layout, device=device)
 
 
 def _boxed(program: _Program) -> Callable:
