@@ -79,9 +79,6 @@ class TPUPlatform(Platform):
             "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel":
                 _compute_slot_mapping,
         })
-        # torch.accelerator.empty_host_cache() (vLLM's cleanup) crashes with
-        # torch_tpu's PrivateUse1 hooks (no host allocator); nothing to free.
-        torch.accelerator.empty_host_cache = lambda: None
 
     @classmethod
     def is_pin_memory_available(cls) -> bool:
