@@ -121,8 +121,23 @@ def _debug(message: str) -> None:
 
 def _expr(s) -> sympy.Expr:
     if isinstance(s, torch.SymInt):
-        return s.node.expr
+        return _exact_floordiv(s.node.expr)
     return sympy.Integer(int(s))
+
+
+def _exact_floordiv(e: sympy.Expr) -> sympy.Expr:
+    """`e` with each FloorDiv(a, b) whose quotient is exact written as that
+    quotient (Dynamo's duck-sized graphs hold (s0*s0)//s0 for s0)."""
+    from torch.utils._sympy.functions import FloorDiv
+
+    if not e.has(FloorDiv):
+        return e
+
+    def exact(a, b):
+        q = sympy.cancel(a / b)
+        return q if sympy.fraction(q)[1] == 1 else FloorDiv(a, b)
+
+    return e.replace(FloorDiv, exact)
 
 
 def _prod(factors) -> sympy.Expr:
@@ -746,7 +761,10 @@ class Bucketed:
         program.compile()
         graph_stats["programs"] += 1
         stats["bucket_programs" if masked else "exact_programs"] += 1
-        return program, positions, output_plan
+        subs = {s: sympy.Integer(v) for s, v in sizes.items()}
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        shapes = [[int(_expr(d).subs(subs)) for d in _val(placeholders[i]).shape] for i in positions]
+        return program, positions, output_plan, shapes
 
     def __call__(self, args: list):
         args = list(args) if not isinstance(args, list) else args
@@ -755,32 +773,21 @@ class Bucketed:
         real = self._sizes(call)
         masked = self.reason is None
         sizes = {s: bucket(n) for s, n in real.items()} if masked else real
-        if masked and sizes == real:
-            pass  # at a bucket edge: the bucket program, unpadded
-        key = tuple(sorted((str(s), v) for s, v in sizes.items()))
+        key = tuple(sizes.values())  # symbols in a fixed order (plan.symbols)
         entry = self.programs.get(key)
         if entry is None:
             entry = self.programs[key] = self._build(sizes, masked, call)
-        program, positions, output_plan = entry
-        subs = {s: sympy.Integer(v) for s, v in sizes.items()}
-        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-        inputs = []
-        for i in positions:
-            t = call[i]
-            v = _val(placeholders[i])
-            if masked:
-                t = _pad(t, [int(_expr(s).subs(subs)) for s in v.shape])
-            inputs.append(t)
+        program, positions, output_plan, shapes = entry
+        inputs = [_pad(call[i], shape) if masked else call[i] for i, shape in zip(positions, shapes)]
         if masked:
             inputs.extend(torch.tensor(real[s], dtype=torch.int64) for s in self.plan.symbols)
         outs = program(inputs)
-        real_subs = {s: sympy.Integer(v) for s, v in real.items()}
         results = []
         for p in output_plan:
             if p[0] == "none":
                 results.append(None)
             elif p[0] == "int":
-                results.append(int(p[1].subs(real_subs)))
+                results.append(int(p[1].subs({s: sympy.Integer(v) for s, v in real.items()})))
             else:
                 t = outs[p[1]]
                 if masked:

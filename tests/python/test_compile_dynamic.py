@@ -98,8 +98,17 @@ def _buckets(lengths):
     return {_dynamic.bucket(n) for n in lengths if n > 1}
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("how", ["dynamic", "mark_dynamic"])
+_FULL = pytest.mark.full_tier
+
+
+# The default tier runs the causal block under mark_dynamic (~15 s); the
+# other three variants (~20-35 s each) run in the full tier.
+@pytest.mark.parametrize("causal,how", [
+    pytest.param(True, "mark_dynamic"),
+    pytest.param(False, "mark_dynamic", marks=_FULL),
+    pytest.param(True, "dynamic", marks=_FULL),
+    pytest.param(False, "dynamic", marks=_FULL),
+])
 def test_block_one_compile_per_bucket(causal, how):
     torch.manual_seed(0)
     block = Block(causal=causal).eval()
