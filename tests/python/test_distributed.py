@@ -643,3 +643,115 @@ def test_two_nodes_on_localhost():
                 p.communicate()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     assert "\nOK" in outs[0] or "\nOK" in outs[1], outs[0][-3000:]
+
+
+# --------------------------------------------------------------------------
+# FSDP2 mixed precision (bf16 parameters, f32 gradient reduction)
+
+MP_DIM, MP_BATCH, MP_STEPS, MP_LR = 32, 8, 2, 1e-2
+
+
+def _mp_model():
+    import torch.nn as nn
+
+    return nn.Sequential(nn.Linear(MP_DIM, 64), nn.Tanh(), nn.Linear(64, MP_DIM), nn.Tanh(), nn.Linear(MP_DIM, 4))
+
+
+def _mp_init():
+    torch.manual_seed(0)
+    return {k: v.clone() for k, v in _mp_model().state_dict().items()}
+
+
+def _mp_batch(step):
+    g = torch.Generator().manual_seed(50 + step)
+    return torch.randn(MP_BATCH, MP_DIM, generator=g), torch.randn(MP_BATCH, 4, generator=g)
+
+
+def _mp_reference(world, steps):
+    """FSDP2's mixed precision in one process on the CPU: per step and per
+    rank's slice of the batch, the forward and backward run on bf16 copies of
+    the f32 parameters (inputs cast to bf16, as MixedPrecisionPolicy's
+    cast_forward_inputs); the bf16 gradients are cast to f32 and averaged
+    (reduce_dtype f32, the reduce-scatter's AVG); Adam updates the f32
+    parameters. Returns the per-step losses (mean of the ranks')."""
+    import copy
+
+    master = _mp_model()
+    master.load_state_dict(_mp_init())
+    opt = torch.optim.Adam(master.parameters(), lr=MP_LR)
+    per = MP_BATCH // world
+    losses = []
+    for step in range(steps):
+        x, y = _mp_batch(step)
+        grads = [torch.zeros_like(p) for p in master.parameters()]
+        total = 0.0
+        for r in range(world):
+            low = copy.deepcopy(master).to(torch.bfloat16)
+            loss = torch.nn.functional.mse_loss(low(x[r * per:(r + 1) * per].bfloat16()), y[r * per:(r + 1) * per])
+            loss.backward()
+            for g, p in zip(grads, low.parameters()):
+                g += p.grad.float() / world
+            total += loss.item() / world
+        for p, g in zip(master.parameters(), grads):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def _fsdp_mp_worker(rank, world, args):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.tpu.set_device(rank)
+    mesh = init_device_mesh("tpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with torch.device("meta"):
+        model = _mp_model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.to_empty(device="tpu")
+    full = _mp_init()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.to_local().copy_(full[name].chunk(world, dim=0)[rank])
+    seen = {"forward_weight": set(), "grad": set(), "param": set()}
+    model[0].register_forward_pre_hook(lambda m, a: seen["forward_weight"].add(str(m.weight.dtype)))
+    opt = torch.optim.Adam(model.parameters(), lr=MP_LR)
+    per = MP_BATCH // world
+    losses = []
+    for step in range(MP_STEPS):
+        x, y = _mp_batch(step)
+        x, y = (t[rank * per:(rank + 1) * per].to("tpu") for t in (x, y))
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        for p in model.parameters():
+            seen["grad"].add(str(p.grad.dtype))
+            seen["param"].add(str(p.dtype))
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().float()
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        losses.append(total.item())
+    return {"losses": losses, **{k: sorted(v) for k, v in seen.items()}}
+
+
+MP_RTOL = 2e-3  # bf16 forward/backward: tpu's and the CPU's bf16 kernels round differently
+
+
+def test_fsdp2_mixed_precision_matches_single_process(tmp_path):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32) on 2 ranks:
+    the forward sees bf16 weights, the sharded parameters and their gradients
+    stay f32, and per-step losses are within MP_RTOL relative of the same
+    mixed-precision arithmetic run in one process on the CPU."""
+    results = run_job(tmp_path, _fsdp_mp_worker)
+    ref = _mp_reference(WORLD, MP_STEPS)
+    for res in results:
+        assert res["forward_weight"] == ["torch.bfloat16"], res
+        assert res["param"] == ["torch.float32"] and res["grad"] == ["torch.float32"], res
+        for step, (a, b) in enumerate(zip(res["losses"], ref)):
+            assert abs(a - b) <= MP_RTOL * abs(b), f"step {step}: FSDP2 bf16 loss {a} vs reference {b}"
