@@ -742,7 +742,7 @@ def _fsdp_mp_worker(rank, world, args):
     return {"losses": losses, **{k: sorted(v) for k, v in seen.items()}}
 
 
-MP_RTOL = 2e-3  # bf16 forward/backward: tpu's and the CPU's bf16 kernels round differently
+MP_RTOL = 1e-4  # bf16 kernels may round differently on tpu and CPU; measured <= 2e-7 on the CPU plugin
 
 
 def test_fsdp2_mixed_precision_matches_single_process(tmp_path):
