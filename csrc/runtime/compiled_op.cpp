@@ -619,11 +619,7 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
       if (args[i].type()->str().find("Generator") != std::string::npos) gen_arg = static_cast<int16_t>(i);
     ctx.rng_state_value = b.Parameter(hlo::TensorType{hlo::ElementType::kU64, {2}});
     InputSlot s = slot(InputSlot::Kind::kRng, gen_arg, -1, hlo::ElementType::kU64);
-    for (const auto& o : spec.outputs) {
-      int64_t n = 1;
-      for (int64_t d : o.sizes) n *= d;
-      s.rng_increment += std::max<int64_t>(n, 1);
-    }
+    s.rng_increment = lowering::LoweringContext::RngIncrement(spec.outputs);
     inputs.push_back(s);
   }
   ctx.outputs = spec.outputs;

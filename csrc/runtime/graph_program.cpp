@@ -236,8 +236,7 @@ std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vecto
   int64_t rng_increment = 0;
   if (entry->traits.needs_rng) {
     ctx.rng_state_value = builder_.Parameter(hlo::TensorType{hlo::ElementType::kU64, {2}});
-    for (const auto& o : outputs)
-      if (o.dtype != at::ScalarType::Undefined) rng_increment += std::max<int64_t>(Numel(o.sizes), 1);
+    rng_increment = lowering::LoweringContext::RngIncrement(outputs);
   }
 
   if (!lowering::ComplexSupported(*entry, ctx)) throw GraphUnsupported(op_name + ": no complex lowering");
