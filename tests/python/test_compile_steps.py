@@ -155,13 +155,14 @@ def _minilm_loss(f, batch):
 # full tier the whole model. Programs per step: 8 in strict mode, 4 in
 # fused, as for the MLP; the whole model's foreach AdamW step (over 100
 # parameters) is more calls than one region takes (TORCH_TPU_FUSED_MAX_OPS,
-# 512): its optimizer is 2 programs (strict 9, fused 5).
+# 512): its optimizer is 2 programs (strict 9; in fused mode only the
+# count's constancy is asserted).
 @pytest.mark.parametrize("layers,mode", [(2, "strict"),
                                          pytest.param(6, "strict", marks=pytest.mark.full_tier),
                                          pytest.param(6, "debug", marks=pytest.mark.full_tier),
                                          pytest.param(6, "fused", marks=pytest.mark.full_tier)])
 def test_compiled_minilm_steps_match_cpu(layers, mode):
-    programs = {"strict": 8, "fused": 4} if layers == 2 else {"strict": 9, "fused": 5}
+    programs = {"strict": 8, "fused": 4} if layers == 2 else {"strict": 9}
     _check(lambda: _minilm_classifier(layers), _minilm_batch, _minilm_loss, mode, "default",
            programs=programs, lr=5e-5)
 
