@@ -153,7 +153,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, donation
 
 
 def _fw_compiler(gm, example_inputs):
-    return _compile_graph(gm, example_inputs, "forward")
+    # A training forward graph's first outputs are its mutated inputs' new
+    # values too (BatchNorm's running statistics): donated the same way.
+    return _compile_graph(gm, example_inputs, "forward", _mutation_donations(gm))
 
 
 def _bw_compiler(gm, example_inputs):
