@@ -2,7 +2,8 @@
 // outputs at once as tensors whose storages are *pending*; at a sync point
 // (a pending storage is read: .cpu(), .item(), printing, a CPU fallback;
 // torch.tpu.synchronize(); a metadata change such as resize_/set_; a mode
-// switch) or when the region reaches its size bound
+// switch), at a detected loop's boundary (one region per iteration, below)
+// or when the region reaches its size bound
 // (TORCH_TPU_FUSED_MAX_OPS, default 512 calls), the whole region is lowered
 // through the same registry into ONE StableHLO module (ProgramBuilder: the
 // storages read become parameters, in-place writes update storage values),
@@ -17,7 +18,8 @@
 // Recording checks that each call lowers on its own (the eager OpCache
 // entry, compiled once per signature); a call that cannot is a sync point
 // and runs on the CPU. If the region as a whole fails to build or compile,
-// its calls run one by one through their eager executables instead.
+// its calls run one by one through their eager executables instead, as do
+// the regions of a structure that keeps changing sizes (churn, below).
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/impl/PyInterpreterHooks.h>
@@ -30,6 +32,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <unordered_map>
 
 #include "runtime/compiled_op.h"
@@ -89,9 +92,12 @@ size_t MaxOps() {
 // Loop detection (fused mode). Each recorded call has a signature: its
 // single-op OpCache entry (op, dtypes, sizes, static arguments), whose
 // address is stable while cached. The recorded stream is watched for a
-// period P: a run of calls each equal to the call P before it; once the run
-// covers two full periods (2P calls) the program is in a loop of P calls
-// and regions are cut at the loop's boundaries, so each region is one
+// period P: a run of calls each equal to the call P before it (a shorter
+// candidate is tracked alongside and replaces a longer one once
+// established); once the run covers two full periods and kMinLoopRegion
+// calls the program is in a loop of P calls and regions are cut at the
+// loop's boundaries (a region ending at one runs when the next call is
+// recorded, when its temporaries are dead), so each region is one
 // iteration (or kMinLoopRegion / P iterations when P is short, or pieces of
 // TORCH_TPU_FUSED_MAX_OPS calls when P is longer) and its key repeats.
 // The boundaries are anchored at the last sync point inside the loop (a
@@ -100,7 +106,7 @@ size_t MaxOps() {
 // update.
 constexpr size_t kLoopHistory = 8192;               // signatures kept (ring buffer)
 constexpr uint64_t kMaxPeriod = kLoopHistory / 2;   // longest loop detected, calls
-constexpr uint64_t kMinLoopRegion = 32;             // short loops: this many calls per region at least
+constexpr uint64_t kMinLoopRegion = 64;             // short loops: this many calls per region at least
 constexpr size_t kMaxSignatures = size_t{1} << 16;  // last-seen map bound (cleared beyond)
 
 // Churn (adaptive fusion): a region structure (its op sequence, modulo
@@ -111,6 +117,16 @@ constexpr size_t kMaxSignatures = size_t{1} << 16;  // last-seen map bound (clea
 constexpr int kMaxSizesPerStructure = 2;
 constexpr int kHotRecurrence = 3;
 constexpr size_t kMaxStructures = 4096;
+
+// TORCH_TPU_FUSED_LOOPS=0 turns loop detection off (regions end at sync
+// points and the size bound only, as before it existed).
+bool LoopsEnabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("TORCH_TPU_FUSED_LOOPS");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
 
 class FusedExecutor {
  public:
@@ -133,6 +149,11 @@ class FusedExecutor {
       ApplyResizes(spec, *stack, first);
     }
     // A region runs on one device: a call on another one is a sync point.
+    // The region reached a loop boundary with the previous call: it runs now,
+    // before this call is recorded (not at once: by now the code that made
+    // the previous call has returned and dropped its temporaries, which
+    // are then not outputs, as at a sync point there).
+    if (at_loop_boundary_) FlushLocked(Cause::kLoop);
     const int device_index = CurrentDeviceIndex(std::span<const c10::IValue>(*stack).subspan(first));
     if (!calls_.empty() && device_index != region_device_) FlushLocked(Cause::kSync);
     region_device_ = device_index;
@@ -185,8 +206,8 @@ class FusedExecutor {
     for (auto& v : returns) stack->push_back(std::move(v));
     // Loop boundaries apply to fused mode only (a strict-mode OneProgramScope
     // records one multi-tensor op, which must stay one program).
-    if (CurrentMode() == EagerMode::kFused && ObserveLoop(reinterpret_cast<uintptr_t>(eager.get()))) return;
-    if (calls_.size() >= MaxOps()) FlushLocked(Cause::kSizeBound);
+    if (CurrentMode() == EagerMode::kFused && LoopsEnabled()) ObserveLoop(reinterpret_cast<uintptr_t>(eager.get()));
+    if (!at_loop_boundary_ && calls_.size() >= MaxOps()) FlushLocked(Cause::kSizeBound);
   }
 
   void Flush() {
@@ -227,6 +248,7 @@ class FusedExecutor {
   // outside references, so those storages are outputs.
   void FlushLocked(Cause cause, size_t n = SIZE_MAX) {
     if (calls_.empty() || flushing_) return;
+    if (n >= calls_.size()) at_loop_boundary_ = false;
     if (cause == Cause::kSync) {
       last_sync_pos_ = pos_;
       if (loop_confirmed_) loop_anchor_ = pos_;  // the program's own boundary: cut there
@@ -283,9 +305,9 @@ class FusedExecutor {
   }
 
   // Notes the call just recorded (at stream position pos_) for loop
-  // detection; cuts the region at the loop's boundaries. Returns whether
-  // the region was flushed.
-  bool ObserveLoop(uintptr_t sig) {
+  // detection; cuts the region at the loop's boundaries (a region ending at
+  // one runs before the next call: at_loop_boundary_).
+  void ObserveLoop(uintptr_t sig) {
     const uint64_t i = pos_++;
     if (loop_history_.empty()) loop_history_.assign(kLoopHistory, 0);
     // Distance to the signature's previous occurrence: the candidate period.
@@ -326,7 +348,7 @@ class FusedExecutor {
     }
     // Two full periods, and at least kMinLoopRegion calls of evidence (two
     // equal calls in a row are not yet a loop).
-    if (!loop_period_ || loop_run_ < std::max(loop_period_, kMinLoopRegion)) return false;
+    if (!loop_period_ || loop_run_ < std::max(loop_period_, kMinLoopRegion)) return;
     const uint64_t region_start = i + 1 - calls_.size();
     if (!loop_confirmed_) {
       // [i + 1 - P - run, i] is periodic. Cut the region at
@@ -340,16 +362,12 @@ class FusedExecutor {
         if (IsLoopBoundary(b)) cuts.push_back(b);
       uint64_t flushed = region_start;
       for (uint64_t b : cuts) {
+        if (b == i + 1) break;  // the whole region: runs before the next call
         FlushLocked(Cause::kLoop, static_cast<size_t>(b - flushed));
         flushed = b;
       }
-      return !cuts.empty() && cuts.back() == i + 1;
     }
-    if (IsLoopBoundary(i + 1)) {
-      FlushLocked(Cause::kLoop);
-      return true;
-    }
-    return false;
+    at_loop_boundary_ = IsLoopBoundary(i + 1);
   }
 
   // Calls per loop region: whole periods, at least kMinLoopRegion calls
@@ -621,6 +639,7 @@ class FusedExecutor {
   uint64_t shorter_period_ = 0;          // a second candidate (the latest distance), and its run
   uint64_t shorter_run_ = 0;
   bool loop_confirmed_ = false;          // the run covers two periods: cut at boundaries
+  bool at_loop_boundary_ = false;        // the recorded calls end at a loop boundary
   uint64_t loop_anchor_ = 0;             // a position where a loop region starts
   // Churn: compiled keys per region structure; op-by-op runs per key hash.
   std::unordered_map<size_t, int> structures_;

@@ -92,7 +92,8 @@ print(snap[10] - snap[4])
 
 
 def test_short_loop_regions_hold_several_iterations():
-    """A loop of one call (x = x * c) is cut into regions of 32 calls, not 1."""
+    """A loop of one call (x = x * c) is cut into regions of 64 calls, not 1
+    (without loop detection: one region of 100 calls)."""
     x_cpu = torch.linspace(-1, 1, 10)
     with no_cpu_fallback(), torch_tpu.eager_mode("fused"):
         x = x_cpu.to("tpu")
@@ -105,7 +106,7 @@ def test_short_loop_regions_hold_several_iterations():
     for _ in range(100):
         ref = ref * 1.01
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
-    assert 3 <= regions <= 5  # 100 calls: about 100 / 32 regions
+    assert 2 <= regions <= 3  # 100 calls: a region of 64 (the loop's cycle), the rest at .cpu()
 
 
 def _block(x):
