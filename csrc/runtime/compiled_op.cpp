@@ -16,6 +16,7 @@
 #include <unordered_set>
 
 #include "lowering/helpers.h"
+#include "runtime/compile_stats.h"
 #include "runtime/disk_cache.h"
 
 namespace torch_tpu::runtime {
@@ -707,6 +708,8 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   auto compiled = std::make_unique<CompiledOp>();
   compiled->entry = &entry;
   compiled->name = schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
+  const auto compile_start = std::chrono::steady_clock::now();
+  const CallSignature signature = SignatureOf(op, stack, first, entry.traits.static_scalars);  // before resizes
   CallSpec spec = ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);
   ApplyResizes(spec, stack, first);
   compiled->resize_outputs = spec.resize_outputs;
@@ -765,6 +768,8 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   compiled->inputs = std::move(pb.inputs);
   compiled->module_text = pb.b.Module();
   compiled->executable = CompileModule(compiled->name, compiled->module_text);
+  CompileStats::Get().Record(compiled->name, signature,
+                             std::chrono::duration<double>(std::chrono::steady_clock::now() - compile_start).count());
   return compiled;
 }
 
