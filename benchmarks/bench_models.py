@@ -3,11 +3,18 @@
 
 (b) MLP training step (forward, backward, AdamW), batch 64;
 (c) all-MiniLM-L6-v2 encoder forward, batch 8 x 128 tokens, no grad;
+(e) all-MiniLM-L6-v2 fine-tuning step (encoder + mean pool + linear head,
+cross-entropy, AdamW over every parameter), batch 8 x 128 tokens;
 for: CPU eager, torch.compile with inductor on CPU, tpu strict, tpu fused,
-torch.compile(backend="tpu"). Prints milliseconds per call (median of
---iters after --warmup calls) and the ratio to CPU eager (lower is faster).
-(d) a fresh process's time to the first result of the compiled encoder with
-an empty vs a warm executable cache.
+torch.compile(backend="tpu") in strict and in fused eager mode. Training
+steps are written as users write them: the model compiled, the loss
+(cross_entropy) outside it, loss.backward(), AdamW() with its defaults
+(foreach on tpu) and zero_grad(). Prints milliseconds per call (median of
+--iters after --warmup calls), the ratio to CPU eager (lower is faster) and
+device programs per call (torch_tpu.metrics()["executions"], averaged over
+the timed calls).
+(d) a fresh process's time to the first result of the compiled encoder and
+of the compiled MLP training step with an empty vs a warm cache.
 """
 from __future__ import annotations
 
@@ -23,9 +30,10 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import _minilm  # noqa: E402  (offline environment before transformers)
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
 import torch_tpu  # noqa: E402
 
-CONFIGS = ["cpu eager", "cpu inductor", "tpu strict", "tpu fused", "tpu compile"]
+CONFIGS = ["cpu eager", "cpu inductor", "tpu strict", "tpu fused", "tpu compile", "tpu compile + fused mode"]
 
 
 def _median_ms(fn, sync, warmup, iters):
@@ -35,17 +43,40 @@ def _median_ms(fn, sync, warmup, iters):
         result = fn()
         sync()
     times = []
+    executions = torch_tpu.metrics()["executions"]
     for _ in range(iters):
         start = time.perf_counter()
         result = fn()
         sync()
         times.append((time.perf_counter() - start) * 1e3)
+    programs = (torch_tpu.metrics()["executions"] - executions) / iters
     del result
-    return statistics.median(times)
+    return statistics.median(times), programs
 
 
 def _sync_for(device):
     return torch.tpu.synchronize if device == "tpu" else (lambda: None)
+
+
+def _compiled(config, model):
+    if config == "cpu inductor":
+        return torch.compile(model)
+    if config.startswith("tpu compile"):
+        return torch.compile(model, backend="tpu")
+    return model
+
+
+def _train_step(model, forward, inputs, target):
+    """One training step as users write it (AdamW with its defaults)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(forward(inputs), target)
+        loss.backward()
+        opt.step()
+        return loss
+    return step
 
 
 def mlp_step_factory(config):
@@ -56,31 +87,23 @@ def mlp_step_factory(config):
     model = model.to(device)
     x = torch.randn(64, 256).to(device)
     y = torch.randint(0, 10, (64,)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    forward = model
-    if config == "cpu inductor":
-        forward = torch.compile(model)
-    elif config == "tpu compile":
-        forward = torch.compile(model, backend="tpu")
+    return _train_step(model, _compiled(config, model), x, y), device
 
-    def step():
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(forward(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-    return step, device
+
+def finetune_factory(config, model_cpu, batch_cpu):
+    device = "tpu" if config.startswith("tpu") else "cpu"
+    torch.manual_seed(0)
+    model = _minilm.Classifier(copy.deepcopy(model_cpu), 3).to(device).train()
+    batch = {k: v.to(device) for k, v in batch_cpu.items()}
+    labels = torch.arange(8).remainder(3).to(device)
+    return _train_step(model, _compiled(config, model), batch, labels), device
 
 
 def encoder_factory(config, model_cpu, batch_cpu):
     device = "tpu" if config.startswith("tpu") else "cpu"
     model = copy.deepcopy(model_cpu).to(device).eval()
     batch = {k: v.to(device) for k, v in batch_cpu.items()}
-    forward = model
-    if config == "cpu inductor":
-        forward = torch.compile(model)
-    elif config == "tpu compile":
-        forward = torch.compile(model, backend="tpu")
+    forward = _compiled(config, model)
 
     def run():
         with torch.no_grad():
@@ -88,27 +111,29 @@ def encoder_factory(config, model_cpu, batch_cpu):
     return run, device
 
 
-def measure(name, factory, args, iters):
+def measure(name, factory, args, iters, warmup=None):
     print(f"\n## {name}\n")
-    print("| configuration | ms per call | ratio to CPU eager |")
-    print("|---|---|---|")
+    print("| configuration | ms per call | ratio to CPU eager | programs per call |")
+    print("|---|---|---|---|")
     base = None
     results = {}
     for config in CONFIGS:
         if config in args.skip:
             continue
-        mode = "fused" if config == "tpu fused" else "strict"
+        mode = "fused" if config in ("tpu fused", "tpu compile + fused mode") else "strict"
         try:
+            torch._dynamo.reset()
             with torch_tpu.eager_mode(mode):
                 fn, device = factory(config)
-                ms = _median_ms(fn, _sync_for(device), args.warmup, iters)
+                ms, programs = _median_ms(fn, _sync_for(device), args.warmup if warmup is None else warmup, iters)
         except Exception as e:  # a configuration that cannot run is reported, not fatal
-            print(f"| {config} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} | |")
+            print(f"| {config} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} | | |")
             continue
         base = base or (ms if config == "cpu eager" else None)
         results[config] = ms
         ratio = f"{ms / base:.2f}x" if base else "n/a"
-        print(f"| {config} | {ms:.2f} | {ratio} |", flush=True)
+        shown = f"{programs:g}" if device == "tpu" else "-"
+        print(f"| {config} | {ms:.2f} | {ratio} | {shown} |", flush=True)
     return results
 
 
@@ -132,30 +157,56 @@ print(f"{{end - t0:.3f}} {{end - t_compile:.3f}} {{end - start:.3f}}")
 """
 
 
+FIRST_STEP = r"""
+import os, sys, time
+start = time.perf_counter()
+import torch, torch_tpu
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
+                            torch.nn.GELU(), torch.nn.Linear(512, 10)).to("tpu")
+x = torch.randn(64, 256).to("tpu")
+y = torch.randint(0, 10, (64,)).to("tpu")
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+t_compile = time.perf_counter()
+compiled = torch.compile(model, backend="tpu")
+t0 = time.perf_counter()
+opt.zero_grad()
+loss = torch.nn.functional.cross_entropy(compiled(x), y)
+loss.backward()
+opt.step()
+loss.item()
+end = time.perf_counter()
+print(f"{{end - t0:.3f}} {{end - t_compile:.3f}} {{end - start:.3f}}")
+"""
+
+
 def first_result(args):
-    print("\n## (d) fresh process, compiled encoder: time to the first result\n")
-    print("| caches | state | first call (s) | torch.compile() + first call (s) | whole process incl. imports and model load (s) |")
-    print("|---|---|---|---|---|")
-    code = FIRST_RESULT.format(examples=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    examples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+    cases = [("compiled encoder (forward)", FIRST_RESULT.format(examples=examples)),
+             ("compiled MLP training step (forward, backward, AdamW)", FIRST_STEP.format())]
     variants = [("executable cache", {"TORCH_TPU_COMPILE_CACHE": "0"}),
                 ("executable + compile cache (TORCH_TPU_COMPILE_CACHE=1)", {"TORCH_TPU_COMPILE_CACHE": "1"})]
-    summary = []
-    for name, extra in variants:
-        with tempfile.TemporaryDirectory() as cache:
-            env = dict(os.environ, TORCH_TPU_CACHE_DIR=cache, **extra)
-            times = {}
-            for label in ("empty", "warm"):
-                r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-                if r.returncode != 0:
-                    print(f"| {name} | {label} | failed: {r.stderr.strip().splitlines()[-1][:100]} | | |")
-                    break
-                first, with_compile, total = map(float, r.stdout.split()[-3:])
-                times[label] = (first, with_compile)
-                print(f"| {name} | {label} | {first:.3f} | {with_compile:.3f} | {total:.3f} |", flush=True)
-            if len(times) == 2:
-                summary.append(f"{name}: first call {times['empty'][0] / times['warm'][0]:.1f}x, "
-                               f"torch.compile() + first call {times['empty'][1] / times['warm'][1]:.1f}x")
-    print("\nwarm cache speed-up: " + "; ".join(summary))
+    for case, code in cases:
+        print(f"\n## (d) fresh process, {case}: time to the first result\n")
+        print("| caches | state | first call (s) | torch.compile() + first call (s) | whole process incl. imports and model load (s) |")
+        print("|---|---|---|---|---|")
+        summary = []
+        for name, extra in variants:
+            with tempfile.TemporaryDirectory() as cache:
+                env = dict(os.environ, TORCH_TPU_CACHE_DIR=cache, **extra)
+                times = {}
+                for label in ("empty", "warm"):
+                    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+                    if r.returncode != 0:
+                        print(f"| {name} | {label} | failed: {r.stderr.strip().splitlines()[-1][:100]} | | |")
+                        break
+                    first, with_compile, total = map(float, r.stdout.split()[-3:])
+                    times[label] = (first, with_compile)
+                    print(f"| {name} | {label} | {first:.3f} | {with_compile:.3f} | {total:.3f} |", flush=True)
+                if len(times) == 2:
+                    summary.append(f"{name}: first call {times['empty'][0] / times['warm'][0]:.1f}x, "
+                                   f"torch.compile() + first call {times['empty'][1] / times['warm'][1]:.1f}x")
+        print("\nwarm cache speed-up: " + "; ".join(summary))
 
 
 def main():
@@ -163,7 +214,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--skip", default="", help="comma-separated configurations to skip")
-    p.add_argument("--only", default="b,c,d", help="which benchmarks: b,c,d")
+    p.add_argument("--only", default="b,c,d,e", help="which benchmarks: b,c,d,e")
+    p.add_argument("--finetune-iters", type=int, default=3, help="timed calls of (e) (seconds each on CPU)")
     args = p.parse_args()
     args.skip = [s.strip() for s in args.skip.split(",") if s.strip()]
     print(f"torch {torch.__version__}; {torch.tpu.get_device_name()}; {os.cpu_count()} CPU cores; "
@@ -180,6 +232,13 @@ def main():
                  "attention_mask": torch.ones(8, 128, dtype=torch.long)}
         measure("(c) all-MiniLM-L6-v2 encoder forward, batch 8 x 128 tokens",
                 lambda config: encoder_factory(config, model_cpu, batch), args, args.iters)
+    if "e" in only:
+        _, model_cpu = _minilm.load(_minilm.model_dir())
+        g = torch.Generator().manual_seed(0)
+        batch = {"input_ids": torch.randint(1000, 2000, (8, 128), generator=g),
+                 "attention_mask": torch.ones(8, 128, dtype=torch.long)}
+        measure("(e) all-MiniLM-L6-v2 fine-tuning step (encoder + head, AdamW), batch 8 x 128 tokens",
+                lambda config: finetune_factory(config, model_cpu, batch), args, args.finetune_iters, warmup=2)
     if "d" in only:
         first_result(args)
 

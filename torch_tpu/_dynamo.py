@@ -10,9 +10,10 @@ outputs stay on the device.
 A graph that cannot be lowered as a whole (an op without a lowering, a
 lowering that declines its arguments, a non-ATen callable) runs its FX graph
 eagerly on tpu instead, with one warning naming the node. Graphs with
-symbolic shapes (Dynamo marks a dimension dynamic after a recompile on a new
-shape) are specialized per concrete input shape at run time, since the
-program is compiled for static shapes.
+symbolic shapes (``dynamic=True``, ``mark_dynamic``, or Dynamo marking a
+dimension dynamic after a recompile on a new shape): inference graphs are
+compiled once per size bucket (``torch_tpu._dynamic``); training graphs are
+specialized per concrete input shape at run time.
 
 Registered through the ``torch_dynamo_backends`` entry point (so no import
 is needed before ``torch.compile``); ``register()`` registers it by hand
@@ -69,7 +70,16 @@ def _decompositions() -> dict:
         if isinstance(op, torch._ops.OpOverload) and _C._graph_has_lowering(_qualified_name(op)):
             continue
         table[op] = fn
+    # An uninitialized buffer in a graph (vLLM's attention layer allocates its
+    # output with torch.empty and the backend copy_s into it): its contents
+    # are unspecified, so zeros are a valid value and lower as one constant.
+    table[aten.empty.memory_format] = _empty_as_zeros
     return table
+
+
+def _empty_as_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None,
+                    memory_format=None):
+    return torch.zeros(size, dtype=dtype, layout=layout, device=device)
 
 
 def _boxed(program: _Program) -> Callable:
@@ -143,7 +153,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, donation
 
 
 def _fw_compiler(gm, example_inputs):
-    return _compile_graph(gm, example_inputs, "forward")
+    # A training forward graph's first outputs are its mutated inputs' new
+    # values too (BatchNorm's running statistics): donated the same way.
+    return _compile_graph(gm, example_inputs, "forward", _mutation_donations(gm))
 
 
 def _bw_compiler(gm, example_inputs):
@@ -236,6 +248,11 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     if any(_is_symbolic(x) for x in example_inputs):
         from torch._dynamo import disable
 
+        from . import _dynamic
+
+        if _dynamic.enabled() and not _dynamic.needs_grad(example_inputs):
+            # Inference: one program per size bucket (torch_tpu._dynamic).
+            return _dynamic.compile_inference(gm, example_inputs, _decompositions(), _fw_compiler, _bw_compiler)
         return disable(_Specializing(gm), reason="tpu: per-shape specialization")
     backend_id = getattr(gm, "_backend_id", None)
     if backend_id is None or not torch._dynamo.config.caching_precompile:

@@ -450,4 +450,21 @@ at::ScalarType ResultType(const LoweringContext& ctx, std::initializer_list<std:
   return r;
 }
 
+Value RandomBits64(Builder& b, const Value& rng_state, std::span<const int64_t> dims) {
+  std::vector<int64_t> d(dims.begin(), dims.end());
+  return b.RngBitGenerator(rng_state, TensorType{ElementType::kU64, d}).second;
+}
+
+std::pair<Value, Value> RandomBits32Pair(Builder& b, const Value& rng_state, std::span<const int64_t> dims) {
+  Value bits = RandomBits64(b, rng_state, dims);
+  auto u64 = [&](int64_t x) { return BroadcastTo(b, b.ConstantInt(TensorType{ElementType::kU64, {}}, x), bits.dims()); };
+  Value lo = b.Convert(b.And(bits, u64(0xFFFFFFFFLL)), ElementType::kU32);
+  Value hi = b.Convert(b.Binary("stablehlo.shift_right_logical", bits, u64(32)), ElementType::kU32);
+  return {lo, hi};
+}
+
+Value RandomBits32(Builder& b, const Value& rng_state, std::span<const int64_t> dims) {
+  return RandomBits32Pair(b, rng_state, dims).first;
+}
+
 }  // namespace torch_tpu::lowering

@@ -94,4 +94,16 @@ Value ResizeFlat(Builder& b, const Value& flat, int64_t n);
 // view's elements: update-slice where the layout allows, else a scatter.
 Value WriteView(Builder& b, const Value& flat, const ViewLayout& view, const Value& value);
 
+// Random bits for `dims` (row-major) from a THREE_FRY state (key, counter):
+// element i depends only on (key, counter + i), the counter-based contract
+// of CUDA's Philox generator that DTensor's OffsetBasedRNGTracker relies on
+// (a shard drawn at offset o + k equals elements k.. of the whole tensor
+// drawn at offset o). rng_bit_generator gives 64-bit outputs one counter
+// each (32-bit outputs would pair two elements on one counter), so the
+// 32-bit forms take halves of a u64 draw. RandomBits32: the low halves;
+// RandomBits32Pair: (low, high), two independent values per element.
+Value RandomBits64(Builder& b, const Value& rng_state, std::span<const int64_t> dims);
+Value RandomBits32(Builder& b, const Value& rng_state, std::span<const int64_t> dims);
+std::pair<Value, Value> RandomBits32Pair(Builder& b, const Value& rng_state, std::span<const int64_t> dims);
+
 }  // namespace torch_tpu::lowering

@@ -100,6 +100,15 @@ class LoweringContext {
   hlo::Value rng_state();
   std::optional<hlo::Value> rng_state_value;
 
+  // How far one call advances the generator's offset: the elements of the
+  // first output (every random op draws one counter per element of its first
+  // output; native_dropout's mask is the same draws; ops that draw more take
+  // a stream of their own), rounded up to a multiple of 4 as DTensor's
+  // OffsetBasedRNGTracker rounds its offsets (CUDA's Philox steps in 4s), so
+  // a whole-tensor draw and a DTensor draw leave the generator at the same
+  // offset. At least 4 (an empty output still moves the stream on).
+  static int64_t RngIncrement(const std::vector<OutputSpec>& outputs);
+
   // Writes `value` into the tensor argument `name` (which must be a tensor):
   // for ops that mutate arguments they do not return (batch norm's running
   // statistics, _copy_from's dst).

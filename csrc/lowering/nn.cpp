@@ -335,8 +335,7 @@ std::vector<Value> LowerNativeDropout(LoweringContext& ctx) {
   }
   at::ScalarType acc = Acc(out.dtype);
   Value x = Cast(b, input, acc);
-  auto [state, bits] = b.RngBitGenerator(ctx.rng_state(), TensorType{ElementType::kU32, x.dims()});
-  Value u = UniformFromBits(b, bits);
+  Value u = UniformFromBits(b, RandomBits32(b, ctx.rng_state(), x.dims()));
   const double keep_p = 1.0 - p;
   Value keep = b.Compare(u, ConstLike(b, u, keep_p), CompareDirection::kLT);
   const double scale = keep_p == 0 ? 0.0 : 1.0 / keep_p;

@@ -18,21 +18,25 @@ namespace {
 using hlo::CompareDirection;
 
 // Uniform values in [0, 1) of `dims`: f32 from 32 random bits (23 mantissa
-// bits) or, for f64 outputs, f64 from 64 bits (52 mantissa bits).
+// bits) or, for f64 outputs, f64 from 64 bits (52 mantissa bits). Element i
+// depends only on (seed, offset + i) (RandomBits64/32, helpers.h).
+Value UniformFromU32(Builder& b, const Value& bits) {
+  const auto& d = bits.dims();
+  Value sh = b.Binary("stablehlo.shift_right_logical", bits, b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU32, {}}, 9), d, {}));
+  Value one = b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU32, {}}, 0x3F800000), d, {});
+  Value f = b.BitcastConvert(b.Or(sh, one), ElementType::kF32);
+  return b.Sub(f, ConstLike(b, f, 1.0));
+}
 Value UniformFrom(Builder& b, const Value& rng_state, std::span<const int64_t> dims, bool f64) {
-  std::vector<int64_t> d(dims.begin(), dims.end());
   if (f64) {
-    auto [state, bits] = b.RngBitGenerator(rng_state, TensorType{ElementType::kU64, d});
+    Value bits = RandomBits64(b, rng_state, dims);
+    const auto& d = bits.dims();
     Value sh = b.Binary("stablehlo.shift_right_logical", bits, b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU64, {}}, 12), d, {}));
     Value one = b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU64, {}}, 0x3FF0000000000000LL), d, {});
     Value f = b.BitcastConvert(b.Or(sh, one), ElementType::kF64);
     return b.Sub(f, ConstLike(b, f, 1.0));
   }
-  auto [state, bits] = b.RngBitGenerator(rng_state, TensorType{ElementType::kU32, d});
-  Value sh = b.Binary("stablehlo.shift_right_logical", bits, b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU32, {}}, 9), d, {}));
-  Value one = b.BroadcastInDim(b.ConstantInt(TensorType{ElementType::kU32, {}}, 0x3F800000), d, {});
-  Value f = b.BitcastConvert(b.Or(sh, one), ElementType::kF32);
-  return b.Sub(f, ConstLike(b, f, 1.0));
+  return UniformFromU32(b, RandomBits32(b, rng_state, dims));
 }
 Value Uniform(LoweringContext& ctx, std::span<const int64_t> dims, bool f64) {
   return UniformFrom(ctx.b, ctx.rng_state(), dims, f64);
@@ -82,12 +86,22 @@ std::vector<Value> LowerNormal(LoweringContext& ctx) {
   int64_t n = 1;
   for (int64_t s : out.sizes) n *= s;
   if (n == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
-  int64_t two_n[] = {2, n};
-  Value u = Uniform(ctx, two_n, WantsF64(out.dtype));
-  int64_t s0[] = {0, 0}, l0[] = {1, n}, s1[] = {1, 0}, l1[] = {2, n}, st[] = {1, 1};
   int64_t flat[] = {n};
-  Value u1 = b.Reshape(b.Slice(u, s0, l0, st), flat);
-  Value u2 = b.Reshape(b.Slice(u, s1, l1, st), flat);
+  Value u1, u2;
+  if (WantsF64(out.dtype)) {
+    // f64 needs 2 x 64 bits per element: the second uniform comes from a
+    // stream of its own (OwnStream), so only u1 follows the per-element
+    // counter and f64 normal values are not shard-consistent.
+    u1 = Uniform(ctx, flat, true);
+    u2 = UniformFrom(b, OwnStream(ctx), flat, true);
+  } else {
+    // f32: both uniforms from the halves of element i's 64 bits, so element i
+    // depends only on (seed, offset + i), as for uniform_ (shard-consistent:
+    // DTensor's RNG tracker draws each shard at its own offset).
+    auto [lo, hi] = RandomBits32Pair(b, ctx.rng_state(), flat);
+    u1 = UniformFromU32(b, lo);
+    u2 = UniformFromU32(b, hi);
+  }
   u1 = b.Sub(ConstLike(b, u1, 1.0), u1);  // (0, 1]
   Value radius = b.Sqrt(b.Mul(ConstLike(b, u1, -2.0), b.Log(u1)));
   Value angle = b.Mul(ConstLike(b, u2, 2.0 * M_PI), u2);

@@ -247,6 +247,16 @@ hlo::Value LoweringContext::rng_state() {
   return *rng_state_value;
 }
 
+int64_t LoweringContext::RngIncrement(const std::vector<OutputSpec>& outputs) {
+  int64_t n = 1;
+  for (const auto& o : outputs) {
+    if (o.dtype == at::ScalarType::Undefined) continue;
+    for (int64_t d : o.sizes) n *= d;
+    break;
+  }
+  return std::max<int64_t>((n + 3) / 4 * 4, 4);
+}
+
 void LoweringContext::write(std::string_view name, hlo::Value value) {
   const auto& a = arg(name);
   if (a.kind != LoweredArg::Kind::kTensor)

@@ -9,6 +9,7 @@
 
 #include "aten/tpu.h"
 #include "lowering/lowering.h"
+#include "runtime/compile_stats.h"
 #include "runtime/compiled_op.h"
 #include "runtime/disk_cache.h"
 #include "runtime/executor.h"
@@ -43,6 +44,27 @@ py::dict Metrics() {
     for (const auto& [name, count] : m.cpu_fallbacks) fallbacks[py::str(name)] = count;
   }
   d["cpu_fallbacks"] = fallbacks;
+  {  // eager single-op compiles by op and cause (runtime/compile_stats.h)
+    namespace rt = torch_tpu::runtime;
+    auto& stats = rt::CompileStats::Get();
+    py::dict causes;
+    auto totals = stats.TotalsByCause();
+    for (size_t c = 0; c < rt::kNumCompileCauses; ++c)
+      causes[rt::CompileCauseName(static_cast<rt::CompileCause>(c))] = totals[c];
+    d["compiles_by_cause"] = causes;
+    py::dict by_op;
+    for (const auto& [name, s] : stats.Snapshot()) {
+      py::dict o;
+      o["compiles"] = s.compiles;
+      for (size_t c = 0; c < rt::kNumCompileCauses; ++c)
+        o[rt::CompileCauseName(static_cast<rt::CompileCause>(c))] = s.by_cause[c];
+      o["distinct_shapes"] = s.distinct_shapes;
+      o["compile_time_s"] = s.seconds;
+      o["shapes"] = s.shapes;
+      by_op[py::str(name)] = o;
+    }
+    d["compiles_by_op"] = by_op;
+  }
   d["cached_executables"] = torch_tpu::runtime::GlobalOpCache().size();
   d["executable_cache_evictions"] = torch_tpu::runtime::ExecutableEvictions().load();
   auto& disk = torch_tpu::runtime::DiskCache::Get().stats();

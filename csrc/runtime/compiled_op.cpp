@@ -18,6 +18,7 @@
 #include <unordered_set>
 
 #include "lowering/helpers.h"
+#include "runtime/compile_stats.h"
 #include "runtime/disk_cache.h"
 
 namespace torch_tpu::runtime {
@@ -347,6 +348,25 @@ pjrt::CompileOptions PortableOptions() {
   pjrt::CompileOptions o = Runtime::Get().compile_options();
   o.portable = true;
   return o;
+}
+
+// Eager single-op programs: on the XLA CPU plugin without its MLIR fusion
+// emitters (xla_cpu_use_fusion_emitters=false: the elemental IR emitter,
+// still LLVM -O2). A one-op program has nothing to fuse, and the fusion
+// emitters set up an MLIR context per fusion, which the profile of a
+// single-op compile shows as the largest share of its time (about 1.4x
+// faster compiles, benchmarks/bench_first_op.py). XLA_FLAGS naming the flag
+// wins. Part of the options, so of the disk-cache key.
+pjrt::CompileOptions SingleOpOptions() {
+  static const pjrt::CompileOptions options = [] {
+    pjrt::CompileOptions o = PortableOptions();
+    const char* flags = std::getenv("XLA_FLAGS");
+    bool user_set = flags && std::string_view(flags).find("xla_cpu_use_fusion_emitters") != std::string_view::npos;
+    if (Runtime::Get().client().platform_name() == "cpu" && !user_set)
+      o.env_option_overrides.emplace_back("xla_cpu_use_fusion_emitters", "false");
+    return o;
+  }();
+  return options;
 }
 
 bool DumpHlo() {
@@ -699,11 +719,7 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
       if (args[i].type()->str().find("Generator") != std::string::npos) gen_arg = static_cast<int16_t>(i);
     ctx.rng_state_value = b.Parameter(hlo::TensorType{hlo::ElementType::kU64, {2}});
     InputSlot s = slot(InputSlot::Kind::kRng, gen_arg, -1, hlo::ElementType::kU64);
-    for (const auto& o : spec.outputs) {
-      int64_t n = 1;
-      for (int64_t d : o.sizes) n *= d;
-      s.rng_increment += std::max<int64_t>(n, 1);
-    }
+    s.rng_increment = lowering::LoweringContext::RngIncrement(spec.outputs);
     inputs.push_back(s);
   }
   ctx.outputs = spec.outputs;
@@ -762,14 +778,15 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
   return new_values;
 }
 
-std::unique_ptr<pjrt::Executable> CompileModule(const std::string& name, const std::string& module_text) {
+std::unique_ptr<pjrt::Executable> CompileModule(const std::string& name, const std::string& module_text,
+                                                bool single_op) {
   if (DumpHlo()) std::cerr << "[torch_tpu] " << name << ":\n" << module_text;
   auto& rt = Runtime::Get();
   auto start = std::chrono::steady_clock::now();
   std::unique_ptr<pjrt::Executable> exe;
   ProfileScope profile("tpu::compile", name);  // torch.profiler event
   try {
-    exe = DiskCache::Get().LoadOrCompile(rt.client(), module_text, PortableOptions());
+    exe = DiskCache::Get().LoadOrCompile(rt.client(), module_text, single_op ? SingleOpOptions() : PortableOptions());
   } catch (const pjrt::Error& e) {
     throw std::runtime_error("tpu: compiling " + name + " failed: " + e.what() + "\nmodule:\n" + module_text);
   }
@@ -884,6 +901,8 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   auto compiled = std::make_unique<CompiledOp>();
   compiled->entry = &entry;
   compiled->name = schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
+  const auto compile_start = std::chrono::steady_clock::now();
+  const CallSignature signature = SignatureOf(op, stack, first, entry.traits.static_scalars);  // before resizes
   std::vector<bool> dynamic_out;
   CallSpec spec = plan ? PolySpec(op, stack, first, entry, *plan, dynamic_out)
                        : ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);
@@ -954,7 +973,9 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   pb.b.Return(program_results);
   compiled->inputs = std::move(pb.inputs);
   compiled->module_text = pb.b.Module();
-  compiled->executable = CompileModule(compiled->name, compiled->module_text);
+  compiled->executable = CompileModule(compiled->name, compiled->module_text, /*single_op=*/true);
+  CompileStats::Get().Record(compiled->name, signature,
+                             std::chrono::duration<double>(std::chrono::steady_clock::now() - compile_start).count());
   return compiled;
 }
 

@@ -183,7 +183,11 @@ class ProgramBuilder {
 
 // Compiles a module through the on-disk cache, counting metrics; errors
 // name `name` and carry the module text.
-std::unique_ptr<pjrt::Executable> CompileModule(const std::string& name, const std::string& module_text);
+// `single_op`: an eager single-op program, compiled with options cheaper to
+// compile (SingleOpOptions in compiled_op.cpp; DESIGN.md, "Why eager ops
+// compile").
+std::unique_ptr<pjrt::Executable> CompileModule(const std::string& name, const std::string& module_text,
+                                                bool single_op = false);
 
 // Input buffers of a launch. `arg_of(call, arg)` returns the IValue of an
 // argument of a call.

@@ -2,7 +2,8 @@
 // outputs at once as tensors whose storages are *pending*; at a sync point
 // (a pending storage is read: .cpu(), .item(), printing, a CPU fallback;
 // torch.tpu.synchronize(); a metadata change such as resize_/set_; a mode
-// switch) or when the region reaches its size bound
+// switch), at a detected loop's boundary (one region per iteration, below)
+// or when the region reaches its size bound
 // (TORCH_TPU_FUSED_MAX_OPS, default 512 calls), the whole region is lowered
 // through the same registry into ONE StableHLO module (ProgramBuilder: the
 // storages read become parameters, in-place writes update storage values),
@@ -17,7 +18,8 @@
 // Recording checks that each call lowers on its own (the eager OpCache
 // entry, compiled once per signature); a call that cannot is a sync point
 // and runs on the CPU. If the region as a whole fails to build or compile,
-// its calls run one by one through their eager executables instead.
+// its calls run one by one through their eager executables instead, as do
+// the regions of a structure that keeps changing sizes (churn, below).
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/impl/PyInterpreterHooks.h>
@@ -30,6 +32,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <unordered_map>
 
 #include "lowering/helpers.h"
@@ -87,6 +90,45 @@ size_t MaxOps() {
   return n;
 }
 
+// Loop detection (fused mode). Each recorded call has a signature: its
+// single-op OpCache entry (op, dtypes, sizes, static arguments), whose
+// address is stable while cached. The recorded stream is watched for a
+// period P: a run of calls each equal to the call P before it (a shorter
+// candidate is tracked alongside and replaces a longer one once
+// established); once the run covers two full periods and kMinLoopRegion
+// calls the program is in a loop of P calls and regions are cut at the
+// loop's boundaries (a region ending at one runs when the next call is
+// recorded, when its temporaries are dead), so each region is one
+// iteration (or kMinLoopRegion / P iterations when P is short, or pieces of
+// TORCH_TPU_FUSED_MAX_OPS calls when P is longer) and its key repeats.
+// The boundaries are anchored at the last sync point inside the loop (a
+// program that syncs every step keeps one region per step) or else at the
+// start of the run. Cost per call: one ring-buffer compare and one hash map
+// update.
+constexpr size_t kLoopHistory = 8192;               // signatures kept (ring buffer)
+constexpr uint64_t kMaxPeriod = kLoopHistory / 2;   // longest loop detected, calls
+constexpr uint64_t kMinLoopRegion = 64;             // short loops: this many calls per region at least
+constexpr size_t kMaxSignatures = size_t{1} << 16;  // last-seen map bound (cleared beyond)
+
+// Churn (adaptive fusion): a region structure (its op sequence, modulo
+// sizes and dtypes) compiled for kMaxSizesPerStructure different keys runs
+// op by op through the single-op executables for any further key, unless
+// that key itself has recurred kHotRecurrence times (then it is compiled:
+// it repeats, so fusing it pays off).
+constexpr int kMaxSizesPerStructure = 2;
+constexpr int kHotRecurrence = 3;
+constexpr size_t kMaxStructures = 4096;
+
+// TORCH_TPU_FUSED_LOOPS=0 turns loop detection off (regions end at sync
+// points and the size bound only, as before it existed).
+bool LoopsEnabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("TORCH_TPU_FUSED_LOOPS");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
 class FusedExecutor {
  public:
   void Record(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry) {
@@ -99,19 +141,25 @@ class FusedExecutor {
     try {
       eager = GlobalOpCache().Lookup(op, *stack, entry);
     } catch (const UnsupportedOp&) {
-      FlushLocked();
+      FlushLocked(Cause::kSync);
       throw;
     }
     const CallSpec& spec = eager->spec;
     if (!spec.resize_outputs.empty()) {
-      FlushLocked();  // resizing reads and replaces storages
+      FlushLocked(Cause::kSync);  // resizing reads and replaces storages
       ApplyResizes(spec, *stack, first);
     }
     // A region runs on one device: a call on another one is a sync point.
+    // The region reached a loop boundary with the previous call: it runs now,
+    // before this call is recorded (not at once: by now the code that made
+    // the previous call has returned and dropped its temporaries, which
+    // are then not outputs, as at a sync point there).
+    if (at_loop_boundary_) FlushLocked(Cause::kLoop);
     const int device_index = CurrentDeviceIndex(std::span<const c10::IValue>(*stack).subspan(first));
-    if (!calls_.empty() && device_index != region_device_) FlushLocked();
+    if (!calls_.empty() && device_index != region_device_) FlushLocked(Cause::kSync);
     region_device_ = device_index;
     const int32_t call = static_cast<int32_t>(calls_.size());
+    call_key_begin_.push_back(key_.size());
     key_.push_back(reinterpret_cast<int64_t>(&op.schema()));
     AppendCallKey(op, *stack, first, entry, key_, ids_);
 
@@ -123,7 +171,13 @@ class FusedExecutor {
     // as the call would have read them (an LR scheduler's fill_ before the
     // flush must not reach a step recorded earlier).
     for (auto& v : rc.args)
-      if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().is_cpu()) v = v.toTensor().clone();
+      if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().is_cpu()) {
+        at::Tensor copy = v.toTensor().clone();
+        // The copy stands for the argument (and keys the same when a region
+        // is split and its rest re-keyed): a wrapped Python number stays one.
+        if (v.toTensor().unsafeGetTensorImpl()->is_wrapped_number()) copy.unsafeGetTensorImpl()->set_wrapped_number(true);
+        v = std::move(copy);
+      }
     // Returns: written arguments as they are, new tensors over pending
     // storages.
     std::vector<c10::IValue> returns;
@@ -151,12 +205,15 @@ class FusedExecutor {
     SetPendingWork(true);  // from now on every storage read flushes first (Materialize)
     stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
     for (auto& v : returns) stack->push_back(std::move(v));
-    if (calls_.size() >= MaxOps()) FlushLocked();
+    // Loop boundaries apply to fused mode only (a strict-mode OneProgramScope
+    // records one multi-tensor op, which must stay one program).
+    if (CurrentMode() == EagerMode::kFused && LoopsEnabled()) ObserveLoop(reinterpret_cast<uintptr_t>(eager.get()));
+    if (!at_loop_boundary_ && calls_.size() >= MaxOps()) FlushLocked(Cause::kSizeBound);
   }
 
   void Flush() {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
-    FlushLocked();
+    FlushLocked(Cause::kSync);
   }
 
   size_t size() {
@@ -166,8 +223,10 @@ class FusedExecutor {
 
   void ClearCache() {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
-    FlushLocked();
+    FlushLocked(Cause::kSync);
     regions_.Clear();
+    structures_.clear();
+    op_by_op_keys_.clear();
   }
 
  private:
@@ -178,21 +237,178 @@ class FusedExecutor {
     return c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->getDevice().index();
   }
 
-  void FlushLocked() {
+  enum class Cause {
+    kSync,       // a sync point of the program (a read, synchronize, a device change, ...)
+    kLoop,       // a loop boundary (ObserveLoop)
+    kSizeBound,  // TORCH_TPU_FUSED_MAX_OPS
+  };
+
+  // Runs the first `n` recorded calls (all by default) as one region. The
+  // calls after them stay recorded, re-keyed as the start of the next
+  // region: their references to the flushed calls' new storages count as
+  // outside references, so those storages are outputs.
+  void FlushLocked(Cause cause, size_t n = SIZE_MAX) {
     if (calls_.empty() || flushing_) return;
+    if (n >= calls_.size()) at_loop_boundary_ = false;
+    if (cause == Cause::kSync) {
+      last_sync_pos_ = pos_;
+      if (loop_confirmed_) loop_anchor_ = pos_;  // the program's own boundary: cut there
+    }
+    std::vector<RecordedCall> rest;
+    std::vector<CreatedStorage> rest_created;
+    if (n < calls_.size()) {
+      rest.assign(std::make_move_iterator(calls_.begin() + static_cast<std::ptrdiff_t>(n)),
+                  std::make_move_iterator(calls_.end()));
+      calls_.erase(calls_.begin() + static_cast<std::ptrdiff_t>(n), calls_.end());
+      key_.resize(call_key_begin_[n]);
+      call_key_begin_.resize(n);
+      size_t split = 0;
+      while (split < created_.size() && created_[split].call < static_cast<int32_t>(n)) ++split;
+      rest_created.assign(created_.begin() + static_cast<std::ptrdiff_t>(split), created_.end());
+      created_.erase(created_.begin() + static_cast<std::ptrdiff_t>(split), created_.end());
+    }
+    try {
+      FlushRegion(/*last=*/rest.empty());
+    } catch (...) {
+      Rerecord(rest, rest_created, n);
+      throw;
+    }
+    Rerecord(rest, rest_created, n);
+  }
+
+  // Records `rest` (calls that followed a flushed prefix of `n` calls) as
+  // the current region: new storage numbering, so the key is the one a
+  // region starting with these calls gets.
+  void Rerecord(std::vector<RecordedCall>& rest, std::vector<CreatedStorage>& rest_created, size_t n) {
+    if (rest.empty()) return;
+    const caffe2::TypeMeta default_dtype = c10::get_default_dtype();
+    struct RestoreDefault {
+      caffe2::TypeMeta dtype;
+      ~RestoreDefault() { c10::set_default_dtype(dtype); }
+    } restore{default_dtype};
+    size_t next_created = 0;
+    for (size_t c = 0; c < rest.size(); ++c) {
+      RecordedCall& rc = rest[c];
+      c10::set_default_dtype(rc.default_dtype);  // the call's key records it
+      call_key_begin_.push_back(key_.size());
+      key_.push_back(reinterpret_cast<int64_t>(&rc.op.schema()));
+      AppendCallKey(rc.op, rc.args, 0, *rc.eager->entry, key_, ids_);
+      while (next_created < rest_created.size() &&
+             rest_created[next_created].call == static_cast<int32_t>(n + c)) {
+        CreatedStorage cs = rest_created[next_created++];
+        cs.call = static_cast<int32_t>(c);
+        key_.push_back(-1 - ids_.Id(cs.device_storage));
+        created_.push_back(cs);
+      }
+      calls_.push_back(std::move(rc));
+    }
+    SetPendingWork(true);
+  }
+
+  // Notes the call just recorded (at stream position pos_) for loop
+  // detection; cuts the region at the loop's boundaries (a region ending at
+  // one runs before the next call: at_loop_boundary_).
+  void ObserveLoop(uintptr_t sig) {
+    const uint64_t i = pos_++;
+    if (loop_history_.empty()) loop_history_.assign(kLoopHistory, 0);
+    // Distance to the signature's previous occurrence: the candidate period.
+    uint64_t distance = 0;
+    if (auto it = last_seen_.find(sig); it != last_seen_.end()) {
+      distance = i - it->second <= kMaxPeriod ? i - it->second : 0;
+      it->second = i;
+    } else {
+      if (last_seen_.size() >= kMaxSignatures) last_seen_.clear();
+      last_seen_.emplace(sig, i);
+    }
+    auto follows = [&](uint64_t period) {
+      return period && i >= period && loop_history_[(i - period) % kLoopHistory] == sig;
+    };
+    // The period holds, or the candidate becomes the new period.
+    if (follows(loop_period_)) {
+      ++loop_run_;
+    } else {
+      loop_period_ = distance;
+      loop_run_ = distance ? 1 : 0;
+      loop_confirmed_ = false;
+    }
+    // A shorter period, tracked alongside, replaces a longer one once it is
+    // itself established (a program run twice is periodic with the length
+    // of the whole run, and with its step's).
+    if (follows(shorter_period_)) {
+      ++shorter_run_;
+    } else {
+      shorter_period_ = distance < loop_period_ ? distance : 0;  // only shorter candidates
+      shorter_run_ = shorter_period_ ? 1 : 0;
+    }
+    loop_history_[i % kLoopHistory] = sig;
+    if (shorter_period_ && shorter_period_ < loop_period_ &&
+        shorter_run_ >= std::max(shorter_period_, kMinLoopRegion)) {
+      loop_period_ = shorter_period_;
+      loop_run_ = shorter_run_;
+      loop_confirmed_ = false;
+    }
+    // Two full periods, and at least kMinLoopRegion calls of evidence (two
+    // equal calls in a row are not yet a loop).
+    if (!loop_period_ || loop_run_ < std::max(loop_period_, kMinLoopRegion)) return;
+    const uint64_t region_start = i + 1 - calls_.size();
+    if (!loop_confirmed_) {
+      // [i + 1 - P - run, i] is periodic. Cut the region at
+      // every boundary it now contains (what precedes the first one is the
+      // program before the loop: one region of its own).
+      loop_confirmed_ = true;
+      const uint64_t run_start = i + 1 - loop_period_ - loop_run_;
+      loop_anchor_ = last_sync_pos_ >= run_start && last_sync_pos_ <= i ? last_sync_pos_ : run_start;
+      std::vector<uint64_t> cuts;
+      for (uint64_t b = std::max(region_start + 1, loop_anchor_); b <= i + 1; ++b)
+        if (IsLoopBoundary(b)) cuts.push_back(b);
+      uint64_t flushed = region_start;
+      for (uint64_t b : cuts) {
+        if (b == i + 1) break;  // the whole region: runs before the next call
+        FlushLocked(Cause::kLoop, static_cast<size_t>(b - flushed));
+        flushed = b;
+      }
+    }
+    at_loop_boundary_ = IsLoopBoundary(i + 1);
+  }
+
+  // Calls per loop region: whole periods, at least kMinLoopRegion calls
+  // (while that fits the size bound).
+  uint64_t LoopCycle() const {
+    uint64_t k = std::max<uint64_t>(1, (kMinLoopRegion + loop_period_ - 1) / loop_period_);
+    while (k > 1 && k * loop_period_ > MaxOps()) --k;
+    return k * loop_period_;
+  }
+
+  // Whether a region starts at stream position `b` in the confirmed loop:
+  // at the anchor plus whole cycles, and every TORCH_TPU_FUSED_MAX_OPS calls
+  // inside a cycle longer than that.
+  bool IsLoopBoundary(uint64_t b) const {
+    if (b < loop_anchor_) return false;
+    const uint64_t phase = (b - loop_anchor_) % LoopCycle();
+    return phase % MaxOps() == 0;
+  }
+
+  // Compiles (or finds) and runs the recorded region; `last`: no calls
+  // remain recorded after it (the pending-work flag drops, the storages
+  // kept for the region are freed).
+  void FlushRegion(bool last) {
     flushing_ = true;
     struct Reset {
       FusedExecutor* self;
+      bool last;
       ~Reset() {
         self->calls_.clear();
         self->created_.clear();
         self->key_.clear();
+        self->call_key_begin_.clear();
         self->ids_.seen.clear();
         self->flushing_ = false;
-        SetPendingWork(false);
-        ReleaseKeptStorages();
+        if (last) {
+          SetPendingWork(false);
+          ReleaseKeptStorages();
+        }
       }
-    } reset{this};
+    } reset{this, last};
 
     std::vector<c10::intrusive_ptr<c10::StorageImpl>> alive = AliveCreatedStorages();
     for (const auto& a : alive) key_.push_back(a ? 1 : 0);
@@ -202,6 +418,10 @@ class FusedExecutor {
       metrics.cache_hits++;
     } else {
       metrics.cache_misses++;
+      if (CurrentMode() == EagerMode::kFused && Churning()) {
+        RunOneByOne(alive);
+        return;
+      }
       try {
         region = regions_.Insert(key_, Build(alive));
       } catch (const std::exception& e) {
@@ -212,6 +432,27 @@ class FusedExecutor {
       }
     }
     Run(*region, alive);
+  }
+
+  // On a region-cache miss: whether this region's structure (its sequence
+  // of ops, modulo sizes) has already been compiled for
+  // kMaxSizesPerStructure other keys, so it is run op by op instead of
+  // compiling once more (a key recurring kHotRecurrence times is compiled
+  // after all). Counts the compile otherwise.
+  bool Churning() {
+    size_t structure = calls_.size();
+    for (const auto& rc : calls_) structure = c10::hash_combine(structure, std::hash<const void*>()(&rc.op.schema()));
+    if (structures_.size() >= kMaxStructures) {
+      structures_.clear();
+      op_by_op_keys_.clear();
+    }
+    int& compiled = structures_[structure];
+    if (compiled >= kMaxSizesPerStructure) {
+      int& seen = op_by_op_keys_[RegionKeyHash()(key_)];
+      if (++seen < kHotRecurrence) return true;
+    }
+    ++compiled;
+    return false;
   }
 
   // The new storages still referenced from outside the region: only those
@@ -387,7 +628,24 @@ class FusedExecutor {
   std::vector<RecordedCall> calls_;
   std::vector<CreatedStorage> created_;
   std::vector<int64_t> key_;
+  std::vector<size_t> call_key_begin_;  // per call: where its atoms start in key_
   StorageIds ids_;
+  // Loop detection (ObserveLoop): stream positions count the calls recorded
+  // in fused mode since the start.
+  uint64_t pos_ = 0;                     // position of the next call
+  uint64_t last_sync_pos_ = 0;           // position after the last sync point
+  std::vector<uintptr_t> loop_history_;  // signatures, ring buffer of kLoopHistory
+  std::unordered_map<uintptr_t, uint64_t> last_seen_;  // signature -> last position
+  uint64_t loop_period_ = 0;             // candidate period (0: none)
+  uint64_t loop_run_ = 0;                // consecutive calls equal to the call a period before
+  uint64_t shorter_period_ = 0;          // a second candidate (the latest distance), and its run
+  uint64_t shorter_run_ = 0;
+  bool loop_confirmed_ = false;          // the run covers two periods: cut at boundaries
+  bool at_loop_boundary_ = false;        // the recorded calls end at a loop boundary
+  uint64_t loop_anchor_ = 0;             // a position where a loop region starts
+  // Churn: compiled keys per region structure; op-by-op runs per key hash.
+  std::unordered_map<size_t, int> structures_;
+  std::unordered_map<size_t, int> op_by_op_keys_;
   // Compiled regions by key, least recently used evicted (MaxCachedExecutables).
   LruCache<std::vector<int64_t>, CompiledRegion, RegionKeyHash> regions_;
 };

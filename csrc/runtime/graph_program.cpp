@@ -237,8 +237,7 @@ std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vecto
   int64_t rng_increment = 0;
   if (entry->traits.needs_rng) {
     ctx.rng_state_value = builder_.Parameter(hlo::TensorType{hlo::ElementType::kU64, {2}});
-    for (const auto& o : outputs)
-      if (o.dtype != at::ScalarType::Undefined) rng_increment += std::max<int64_t>(Numel(o.sizes), 1);
+    rng_increment = lowering::LoweringContext::RngIncrement(outputs);
   }
 
   if (!lowering::ComplexSupported(*entry, ctx)) throw GraphUnsupported(op_name + ": no complex lowering");
@@ -334,6 +333,16 @@ void GraphProgram::DonateInput(int input, int output) {
     throw std::invalid_argument("tpu graph " + name_ + ": output " + std::to_string(output) + " is " +
                                 c10::toString(spec.dtype) + c10::str(spec.sizes) + ", input " +
                                 std::to_string(input) + " " + c10::toString(in.dtype) + c10::str(in.sizes));
+  // A value that is also another output (a training forward graph saving a
+  // running statistic's new value for the backward) must be a tensor of
+  // its own there: the input tensor would carry the mutation's version
+  // bump into the saved value (autograd then rejects it), and later
+  // in-place writes too.
+  for (size_t k = 0; k < results_.size(); ++k)
+    if (static_cast<int>(k) != output && results_[k].kind == ResultSlot::Kind::kComputed &&
+        results_[k].index == slot.index)
+      throw std::invalid_argument("tpu graph " + name_ + ": output " + std::to_string(output) +
+                                  " is also output " + std::to_string(k) + ": not donated");
   for (const auto& d : donations_)
     if (d.first == input || d.second == slot.index)
       throw std::invalid_argument("tpu graph " + name_ + ": input " + std::to_string(input) + " or output " +
@@ -449,14 +458,25 @@ std::vector<at::Tensor> GraphProgram::Run(const std::vector<at::Tensor>& inputs)
     applied.push_back({input, result});
   }
 
+  const std::string producer = "compiled graph " + name_;
   std::unique_ptr<pjrt::Event> done;
-  auto outs = executable_->Execute(args, rt.device(device_index), donated, &done);
+  std::vector<std::unique_ptr<pjrt::Buffer>> outs;
+  {
+    // torch.profiler event "tpu::execute compiled graph <name>" (waits
+    // while profiling), as the eager executors' launches.
+    ProfileScope profile("tpu::execute", producer);
+    try {
+      outs = executable_->Execute(args, rt.device(device_index), donated, &done);
+    } catch (const pjrt::Error& e) {
+      RethrowDeviceError(e, producer, device_index);
+    }
+    profile.AwaitIfActive(done.get());
+  }
   rt.metrics().executions++;
   if (!donated.empty()) rt.metrics().donated_buffers += static_cast<int64_t>(donated.size());
 
   std::vector<at::Tensor> computed;
   computed.reserve(outs.size());
-  const std::string producer = "compiled graph " + name_;
   for (size_t i = 0; i < outs.size(); ++i) {
     const auto& spec = output_specs_[i];
     hlo::ElementType element = lowering::ToElementType(spec.dtype);

@@ -83,7 +83,9 @@ class GraphProgram {
   // place) and that output is the input tensor itself; otherwise the output
   // is a new tensor. Call after SetOutputs, before Compile. Throws
   // std::invalid_argument for a bad index, a non-computed output, a type
-  // mismatch or a second donation of the input or output.
+  // mismatch, an output whose value is also another output (a training
+  // forward graph's saved tensor), or a second donation of the input or
+  // output.
   void DonateInput(int input, int output);
 
   // Builds the module and compiles it (through the on-disk cache).

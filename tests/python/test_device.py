@@ -630,3 +630,25 @@ def test_copy_to_cpu_into_existing_tensors(dtype):
     out = torch.empty(33, dtype=dtype)
     out.copy_(d[3])  # a view of part of the storage
     assert torch.equal(out, src[3])
+
+
+def test_host_allocator_pinned_memory_and_empty_host_cache():
+    # PyTorch asks `at::getHostAllocator(PrivateUse1)` for pinned memory and
+    # its cache; with none registered, empty_host_cache() crashed the process
+    # (vLLM's cleanup calls it). As on CUDA: pin_memory() gives a pinned host
+    # tensor, plain CPU tensors are not pinned, copies from pinned memory
+    # (non_blocking) give the same values.
+    x = torch.ones(4, device="tpu")
+    assert torch.equal((x + 1).cpu(), torch.full((4,), 2.0))
+    torch.accelerator.empty_host_cache()
+    src = torch.arange(6, dtype=torch.float32)
+    pinned = src.pin_memory()
+    assert pinned.is_pinned() and not src.is_pinned()
+    assert torch.empty(3, pin_memory=True).is_pinned()
+    on_device = pinned.to("tpu", non_blocking=True)
+    assert torch.equal(on_device.cpu(), src)
+    back = torch.empty(6, pin_memory=True)
+    back.copy_(on_device)
+    assert torch.equal(back, src)
+    del pinned
+    torch.accelerator.empty_host_cache()

@@ -233,7 +233,11 @@ def test_minilm_encoder_fused_matches_strict():
             executions = torch_tpu.metrics()["executions"] - before
     torch.testing.assert_close(fused, strict, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4)
-    assert executions <= 3  # a few regions (transformers syncs once to build the mask), not one per op
+    # A few regions, not one per op: transformers syncs once to build the
+    # mask, and loop detection cuts the 6 identical layers at layer
+    # boundaries (one region structure reused, docs/design.md "Fused eager
+    # mode").
+    assert executions <= 8
 
 
 @pytest.mark.skipif(torch.tpu.device_count() < 2, reason="needs two tpu devices (TORCH_TPU_CPU_DEVICES)")

@@ -14,7 +14,12 @@ Hugging Face ``generate()`` on CPU on the same model directory:
   budget goes through chunked prefill and gives HF's tokens;
 - seeded sampling is reproducible; a prompt longer than max_model_len and a
   bad sampling parameter get vLLM's errors and the engine keeps serving;
-- no op fell back to the CPU (torch_tpu.metrics()["cpu_fallbacks"]).
+- no op fell back to the CPU (torch_tpu.metrics()["cpu_fallbacks"]);
+- compiled (the default: torch.compile(backend="tpu") through vLLM's
+  CompilationConfig, one program per token/batch bucket, compiled at start-up)
+  and eager (``enforce_eager=True``) both; compiled, 100 more requests of
+  random lengths after warm-up leave torch_tpu.metrics()["compiles"] and the
+  number of compiled programs unchanged, and no graph runs op by op.
 """
 from __future__ import annotations
 
@@ -34,11 +39,14 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [[rng.randrange(1000, vocab) for _ in range(n)] for n in lens]
 
 
-def _child(model_dir: str, out_path: str) -> None:
+def _child(model_dir: str, out_path: str, mode: str) -> None:
     """Runs in the child: vLLM offline on tpu, results to out_path as JSON."""
     os.environ.setdefault("TORCH_TPU_VLLM", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import random
+
     import torch_tpu
+    import torch_tpu._dynamo
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -46,10 +54,12 @@ def _child(model_dir: str, out_path: str) -> None:
 
     res: dict = {"platform": type(current_platform).__name__,
                  "device_type": current_platform.device_type}
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=(mode == "eager"), max_model_len=256,
               disable_log_stats=False,
               block_size=16, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=True,
               max_num_batched_tokens=64, max_num_seqs=16, seed=0)
+    res["compilation_mode"] = llm.llm_engine.vllm_config.compilation_config.mode.name
+    res["warm_programs"] = torch_tpu._dynamo.stats["programs"]
     vocab = llm.get_tokenizer().vocab_size
     prompts = _prompts(vocab)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -89,6 +99,19 @@ def _child(model_dir: str, out_path: str) -> None:
     res["errors"] = errors
     o = llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], greedy, use_tqdm=False)
     res["after_errors"] = list(o[0].outputs[0].token_ids)
+
+    # 100 requests after warm-up: prompts of 1..119 tokens, 1..9 new tokens each
+    rng = random.Random(5)
+    many = [TokensPrompt(prompt_token_ids=[rng.randrange(1000, vocab) for _ in
+                                           range(rng.randrange(1, 120))]) for _ in range(100)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 10), ignore_eos=True)
+              for _ in range(100)]
+    before = (torch_tpu.metrics()["compiles"], dict(torch_tpu._dynamo.stats))
+    outs = llm.generate(many, params, use_tqdm=False)
+    res["many_done"] = sum(len(o.outputs[0].token_ids) == p.max_tokens
+                           for o, p in zip(outs, params))
+    res["many_compiles"] = [before[0], torch_tpu.metrics()["compiles"]]
+    res["many_graph_stats"] = [before[1], dict(torch_tpu._dynamo.stats)]
     res["metrics"] = {k: v for k, v in torch_tpu.metrics().items()
                       if isinstance(v, (int, float, dict))}
     with open(out_path, "w") as f:
@@ -96,7 +119,7 @@ def _child(model_dir: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2])
+    _child(sys.argv[1], sys.argv[2], sys.argv[3])
     sys.exit(0)
 
 
@@ -122,22 +145,27 @@ def _hf_greedy(model_dir: str, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def _run_child(model_dir: str, tmp_path) -> dict:
+def _run_child(model_dir: str, tmp_path, mode: str) -> dict:
     out = tmp_path / "result.json"
     env = dict(os.environ, TORCH_TPU_VLLM="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    p = subprocess.run([sys.executable, os.path.join(HERE, "test_vllm.py"), model_dir, str(out)],
+    p = subprocess.run([sys.executable, os.path.join(HERE, "test_vllm.py"), model_dir, str(out), mode],
                        capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
     assert p.returncode == 0, f"vLLM child failed (rc {p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}"
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_llm_generate_matches_hf(arch, tmp_path):
+@pytest.mark.parametrize("arch,mode", [
+    ("llama", "compiled"),
+    ("qwen3", "eager"),
+    pytest.param("qwen2", "compiled", marks=pytest.mark.full_tier),
+])
+def test_llm_generate_matches_hf(arch, mode, tmp_path):
     model_dir = make_model_dir(str(tmp_path / arch), arch=arch, seed=0)
-    res = _run_child(model_dir, tmp_path)
+    res = _run_child(model_dir, tmp_path, mode)
     assert res["platform"] == "TPUPlatform" and res["device_type"] == "tpu"
+    assert res["compilation_mode"] == ("NONE" if mode == "eager" else "STOCK_TORCH_COMPILE")
     assert len(res["greedy"]) == 8
     for prompt, got in zip(res["prompts"], res["greedy"]):
         assert got == _hf_greedy(model_dir, prompt, 12), f"prompt of {len(prompt)} tokens"
@@ -150,3 +178,15 @@ def test_llm_generate_matches_hf(arch, tmp_path):
     assert "temperature" in res["errors"].get("bad_param", ""), res["errors"]
     assert res["after_errors"] == res["greedy"][0]
     assert res["metrics"]["cpu_fallbacks"] == {}, res["metrics"]["cpu_fallbacks"]
+    assert res["many_done"] == 100
+    c0, c1 = res["many_compiles"]
+    s0, s1 = res["many_graph_stats"]
+    assert c1 == c0, f"{c1 - c0} compiles during 100 requests after warm-up"
+    assert s1 == s0, (s0, s1)
+    if mode == "compiled":
+        # token buckets 16, 32, 64 (max_num_batched_tokens=64) + batch buckets
+        # 1..16 (max_num_seqs=16): one program each, none op by op, all at start-up
+        assert res["warm_programs"] == 3 + 5, res["warm_programs"]
+        assert s1["programs"] == res["warm_programs"] and s1["eager_graphs"] == 0, s1
+    else:
+        assert s1["programs"] == 0

@@ -5,7 +5,10 @@ context + new tokens, K/V laid out contiguously (no paging).
 One ragged batch mixes a fresh prefill, a decode, a chunked-prefill step
 (new tokens after cached context) and a prefix-cache hit (context blocks
 shared with another request), over scattered, non-monotonic block ids and
-GQA (4 query heads, 2 KV heads).  float32, atol 1e-5.  No CPU fallback.
+GQA (4 query heads, 2 KV heads); the batch is padded to a token bucket
+(padding tokens write and read vLLM's null block 0, their output is dropped).
+float32, atol 1e-5.  No CPU fallback; under torch.compile(backend="tpu") the
+step is one program with the same values.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ pytest.importorskip("vllm", reason="vllm is not installed (make installs require
 
 import torch  # noqa: E402
 import torch_tpu  # noqa: E402, F401
+import torch_tpu._dynamo  # noqa: E402, F401
 from conftest import no_cpu_fallback  # noqa: E402
 from torch_tpu.vllm.attention import paged_attention, write_kv  # noqa: E402
 
@@ -51,30 +55,44 @@ def test_paged_attention_matches_reference():
         for p in range(ctx):
             cache[blocks[p // BS], p % BS, 0] = full_k[i][p]
             cache[blocks[p // BS], p % BS, 1] = full_v[i][p]
-    qs, ks, vs, slots, qidx, seq_lens = [], [], [], [], [], []
-    max_q = max(n for _, n, _ in reqs)
-    q_pos = torch.zeros(len(reqs) * max_q, dtype=torch.int64)
+    qs, ks, vs, slots, tok_bt, tok_pos = [], [], [], [], [], []
+    nblk = max(-(-(ctx + n) // BS) for ctx, n, _ in reqs) + 1  # covers "max_model_len"
     for i, (ctx, n, blocks) in enumerate(reqs):
         qs.append(torch.randn(n, HQ, D, generator=g))
         ks.append(torch.randn(n, HKV, D, generator=g))
         vs.append(torch.randn(n, HKV, D, generator=g))
+        row = blocks + [0] * (nblk - len(blocks))
         for j in range(n):
             p = ctx + j
             slots.append(blocks[p // BS] * BS + p % BS)
-            qidx.append(i * max_q + j)
-            q_pos[i * max_q + j] = p
-        seq_lens.append(ctx + n)
-    nblk = max(-(-s // BS) for s in seq_lens)
-    bt = torch.zeros(len(reqs), nblk, dtype=torch.int64)
-    for i, (_, _, blocks) in enumerate(reqs):
-        bt[i, :len(blocks)] = torch.tensor(blocks)
-    q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+            tok_bt.append(row)
+            tok_pos.append(p)
+    T = len(slots)
+    PAD = 32 - T  # pad to the bucket 32 as the metadata builder does
+    q = torch.cat(qs + [torch.randn(PAD, HQ, D, generator=g)])
+    k = torch.cat(ks + [torch.randn(PAD, HKV, D, generator=g)])
+    v = torch.cat(vs + [torch.randn(PAD, HKV, D, generator=g)])
+    slots_p = torch.tensor(slots + [0] * PAD)
+    bt = torch.tensor(tok_bt + [[0] * nblk] * PAD)
+    pos = torch.tensor(tok_pos + [0] * PAD)
     t = lambda x: x.to("tpu")  # noqa: E731
+
+    def step(kv, q, k, v, slots, bt, pos):
+        write_kv(kv, k, v, slots)
+        return paged_attention(q, kv, bt, pos, D ** -0.5)
+
     kv = t(cache)
     with no_cpu_fallback():
-        write_kv(kv, t(k), t(v), t(torch.tensor(slots)))
-        out = paged_attention(t(q), kv, t(bt), t(torch.tensor(seq_lens)), t(torch.tensor(qidx)),
-                              t(q_pos), max_q, nblk, D ** -0.5).cpu()
+        out = step(kv, t(q), t(k), t(v), t(slots_p), t(bt), t(pos)).cpu()[:T]
+    kv_c = t(cache)
+    before = dict(torch_tpu._dynamo.stats)
+    with no_cpu_fallback():
+        out_c = torch.compile(step, backend="tpu", fullgraph=True, dynamic=False)(
+            kv_c, t(q), t(k), t(v), t(slots_p), t(bt), t(pos)).cpu()[:T]
+    assert torch_tpu._dynamo.stats["programs"] == before["programs"] + 1
+    assert torch_tpu._dynamo.stats["eager_graphs"] == before["eager_graphs"]
+    torch.testing.assert_close(out_c, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv_c.cpu()[1:], kv.cpu()[1:])  # block 0: padding's
     start = 0
     for i, (ctx, n, _) in enumerate(reqs):
         ref = _reference(qs[i], torch.cat([full_k[i], ks[i]]), torch.cat([full_v[i], vs[i]]), ctx)
@@ -82,5 +100,5 @@ def test_paged_attention_matches_reference():
         start += n
     # the new K/V landed in their slots
     flat = kv.cpu().view(NB * BS, 2, HKV, D)
-    torch.testing.assert_close(flat[torch.tensor(slots), 0], k)
-    torch.testing.assert_close(flat[torch.tensor(slots), 1], v)
+    torch.testing.assert_close(flat[torch.tensor(slots), 0], k[:T])
+    torch.testing.assert_close(flat[torch.tensor(slots), 1], v[:T])

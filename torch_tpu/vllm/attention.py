@@ -48,88 +48,95 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
-                    block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    q_index: torch.Tensor, q_pos: torch.Tensor,
-                    max_query_len: int, num_blocks_read: int,
+                    token_block_table: torch.Tensor, token_pos: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """Causal attention of ragged queries over K/V read by block table.
+    """Causal attention of each new token over its request's K/V, read by
+    block table.
 
-    query: [T, Hq, D] (the batch's new tokens, requests back to back);
+    query: [T, Hq, D] (the step's tokens, padded to a token bucket);
     kv_cache: [num_blocks, block_size, 2, Hkv, D] (Hq a multiple of Hkv);
-    block_table: [B, >= num_blocks_read] int64 block ids per request;
-    seq_lens: [B] int64, positions each request attends to (context + new);
-    q_index: [T] int64, each token's row in the padded [B * max_query_len]
-    query grid; q_pos: [B * max_query_len] int64, each grid row's absolute
-    position (0 for padding rows, whose output is dropped);
-    max_query_len, num_blocks_read: Python ints (shape parameters).
-    Returns [T, Hq, D] in query's dtype.  Softmax in float32.
+    token_block_table: [T, nb] int64, the block table row of each token's
+    request (nb blocks cover max_model_len);
+    token_pos: [T] int64, each token's absolute position in its sequence.
+    Token t attends to the keys at positions <= token_pos[t] of its request
+    (its own K/V must already be written: :func:`write_kv` first).  Padding
+    tokens (block row 0, position 0) read vLLM's null block 0; their output
+    is dropped by the caller.  Returns [T, Hq, D] in query's dtype; softmax in
+    float32.  Every shape depends only on T and nb, so a step padded to a
+    bucket reuses one compiled program.
     """
     T, Hq, D = query.shape
-    B = block_table.shape[0]
     bs, Hkv = kv_cache.shape[1], kv_cache.shape[3]
     g = Hq // Hkv
-    L = num_blocks_read * bs
-    kv = kv_cache[block_table[:, :num_blocks_read]]           # [B, nb, bs, 2, Hkv, D]
-    kv = kv.reshape(B, L, 2, Hkv, D).to(torch.float32)
-    k, v = kv[:, :, 0], kv[:, :, 1]                             # [B, L, Hkv, D]
-    q = torch.zeros(B * max_query_len, Hq, D, dtype=torch.float32, device=query.device)
-    q = q.index_copy(0, q_index, query.to(torch.float32))
-    q = q.reshape(B, max_query_len, Hkv, g, D)
-    scores = torch.einsum("bqhgd,blhd->bhgql", q, k) * scale    # [B, Hkv, g, Q, L]
+    L = token_block_table.shape[1] * bs
+    kv = kv_cache[token_block_table]                            # [T, nb, bs, 2, Hkv, D]
+    kv = kv.reshape(T, L, 2, Hkv, D).to(torch.float32)
+    k, v = kv[:, :, 0], kv[:, :, 1]                             # [T, L, Hkv, D]
+    q = query.to(torch.float32).reshape(T, Hkv, g, D)
+    scores = torch.einsum("thgd,tlhd->thgl", q, k) * scale      # [T, Hkv, g, L]
     key_pos = torch.arange(L, device=query.device)
-    qp = q_pos.reshape(B, max_query_len)
-    allowed = (key_pos[None, None, :] <= qp[:, :, None]) & \
-              (key_pos[None, None, :] < seq_lens[:, None, None])  # [B, Q, L]
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    allowed = key_pos[None, :] <= token_pos[:, None]            # [T, L]
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgql,blhd->bqhgd", probs, v)          # [B, Q, Hkv, g, D]
-    out = out.reshape(B * max_query_len, Hq, D)
-    return out.index_select(0, q_index).to(query.dtype)
+    out = torch.einsum("thgl,tlhd->thgd", probs, v)             # [T, Hkv, g, D]
+    return out.reshape(T, Hq, D).to(query.dtype)
 
 
 @dataclass
 class TPUAttentionMetadata:
-    num_actual_tokens: int
-    max_query_len: int
-    num_blocks_read: int
-    block_table: torch.Tensor    # [B, max_blocks] int64, tpu
-    seq_lens: torch.Tensor       # [B] int64, tpu
-    slot_mapping: torch.Tensor   # [T] int64, tpu
-    q_index: torch.Tensor        # [T] int64, tpu
-    q_pos: torch.Tensor          # [B * max_query_len] int64, tpu
+    """One step's metadata, padded to a token bucket (torch_tpu.vllm.buckets).
+
+    Only tensors are read inside the compiled model (a Python int read there
+    would become a guard and recompile per value)."""
+    num_actual_tokens: int            # before padding
+    num_padded_tokens: int            # the token bucket T
+    slot_mapping: torch.Tensor        # [T] int64, tpu; padding -> slot 0 (null block)
+    token_block_table: torch.Tensor   # [T, nb] int64, tpu
+    token_pos: torch.Tensor           # [T] int64, tpu
 
 
 class TPUPagedAttentionMetadataBuilder(AttentionMetadataBuilder[TPUAttentionMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        from torch_tpu.vllm import buckets
+
         self.block_size = kv_cache_spec.block_size
+        self.token_buckets, _ = buckets.for_config(vllm_config)
+        max_len = vllm_config.model_config.max_model_len
+        self.num_blocks_per_seq = -(-max_len // self.block_size)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TPUAttentionMetadata:
+        from torch_tpu.vllm import buckets
+
         m = common_attn_metadata
         if isinstance(m.causal, torch.Tensor) or not m.causal:
             raise ValueError("torch_tpu paged attention: only causal decoder attention")
         B = m.num_reqs
         T = m.num_actual_tokens
+        Tp = buckets.pad_to(T, self.token_buckets)
+        nb = self.num_blocks_per_seq
         qsl = m.query_start_loc_cpu[: B + 1].to(torch.int64)
         seq_lens = m.seq_lens[:B].to("cpu", torch.int64)
         q_lens = qsl[1:] - qsl[:-1]
-        max_q = int(q_lens.max()) if B else 1
-        max_seq = int(seq_lens.max()) if B else 1
+        if B and int(seq_lens.max()) > nb * self.block_size:
+            raise ValueError(f"torch_tpu paged attention: a sequence of {int(seq_lens.max())} "
+                             f"positions exceeds max_model_len's {nb * self.block_size}")
         req = torch.repeat_interleave(torch.arange(B), q_lens)          # [T]
         within = torch.arange(T) - qsl[req]
-        q_index = req * max_q + within
-        q_pos = torch.zeros(B * max_q, dtype=torch.int64)
-        q_pos[q_index] = (seq_lens - q_lens)[req] + within
-        slots = m.slot_mapping[:T].to("cpu", torch.int64)
-        if bool((slots < 0).any()):
-            raise ValueError("torch_tpu paged attention: negative slot in slot_mapping")
-        nblk = -(-max_seq // self.block_size)
-        bt = m.block_table_tensor[:B, :nblk].to("cpu", torch.int64)
+        pos = torch.zeros(Tp, dtype=torch.int64)
+        pos[:T] = (seq_lens - q_lens)[req] + within
+        bt = m.block_table_tensor[:B].to("cpu", torch.int64)
+        if bt.shape[1] < nb:
+            bt = torch.nn.functional.pad(bt, (0, nb - bt.shape[1]))
+        tok_bt = torch.zeros(Tp, nb, dtype=torch.int64)
+        tok_bt[:T] = bt[req, :nb]
+        slots = torch.zeros(Tp, dtype=torch.int64)
+        # Negative slots (vLLM's PAD_ID, dummy runs) write into the null block.
+        slots[:T] = m.slot_mapping[:T].to("cpu", torch.int64).clamp(min=0)
         return TPUAttentionMetadata(
-            num_actual_tokens=T, max_query_len=max_q, num_blocks_read=nblk,
-            block_table=bt.to(TPU), seq_lens=seq_lens.to(TPU),
-            slot_mapping=slots.to(TPU), q_index=q_index.to(TPU), q_pos=q_pos.to(TPU))
+            num_actual_tokens=T, num_padded_tokens=Tp, slot_mapping=slots.to(TPU),
+            token_block_table=tok_bt.to(TPU), token_pos=pos.to(TPU))
 
 
 class TPUPagedAttentionImpl(AttentionImpl):
@@ -160,17 +167,15 @@ class TPUPagedAttentionImpl(AttentionImpl):
             raise NotImplementedError("torch_tpu paged attention: fused output quantization")
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
-        T = attn_metadata.num_actual_tokens
-        q = query[:T].reshape(T, self.num_heads, self.head_size)
-        k = key[:T].reshape(T, self.num_kv_heads, self.head_size)
-        v = value[:T].reshape(T, self.num_kv_heads, self.head_size)
+        T = query.shape[0]  # the padded token count (a static shape, not an int read)
+        q = query.reshape(T, self.num_heads, self.head_size)
+        k = key.reshape(T, self.num_kv_heads, self.head_size)
+        v = value.reshape(T, self.num_kv_heads, self.head_size)
         if self.kv_sharing_target_layer_name is None:
             write_kv(kv_cache, k, v, attn_metadata.slot_mapping)
-        out = paged_attention(q, kv_cache, attn_metadata.block_table,
-                              attn_metadata.seq_lens, attn_metadata.q_index,
-                              attn_metadata.q_pos, attn_metadata.max_query_len,
-                              attn_metadata.num_blocks_read, self.scale)
-        output[:T].copy_(out.reshape(output[:T].shape))
+        out = paged_attention(q, kv_cache, attn_metadata.token_block_table,
+                              attn_metadata.token_pos, self.scale)
+        output.copy_(out.reshape(output.shape))
         return output
 
 

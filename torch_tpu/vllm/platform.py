@@ -23,7 +23,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logging config
 
 ATTN_BACKEND = "torch_tpu.vllm.attention.TPUPagedAttentionBackend"
 WORKER_CLS = "torch_tpu.vllm.worker.TPUWorker"
@@ -79,9 +79,6 @@ class TPUPlatform(Platform):
             "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel":
                 _compute_slot_mapping,
         })
-        # torch.accelerator.empty_host_cache() (vLLM's cleanup) crashes with
-        # torch_tpu's PrivateUse1 hooks (no host allocator); nothing to free.
-        torch.accelerator.empty_host_cache = lambda: None
 
     @classmethod
     def is_pin_memory_available(cls) -> bool:
@@ -136,13 +133,22 @@ class TPUPlatform(Platform):
         vllm_config.scheduler_config.async_scheduling = False
 
         comp = vllm_config.compilation_config
-        # Eager: the model's ops run through torch_tpu's eager executors
-        # (the per-op compile cache); vLLM's Inductor/CUDA-graph paths are off.
-        comp.mode = CompilationMode.NONE
+        # CUDA graphs do not exist here; vLLM's Inductor piecewise compile
+        # (VLLM_COMPILE) is replaced by torch.compile(backend="tpu") of the
+        # whole model, padded to fixed buckets (worker.py, buckets.py).
         comp.cudagraph_mode = CUDAGraphMode.NONE
         comp.cudagraph_capture_sizes = []
-        if vllm_config.model_config is not None:
-            vllm_config.model_config.enforce_eager = True
+        model_config = vllm_config.model_config
+        eager = (model_config is not None and model_config.enforce_eager) or \
+            comp.mode == CompilationMode.NONE
+        if eager:
+            # Each op runs through torch_tpu's eager executor and its per-op
+            # program cache; the steps are padded to the same buckets.
+            comp.mode = CompilationMode.NONE
+        else:
+            comp.mode = CompilationMode.STOCK_TORCH_COMPILE
+            if comp.backend in ("", "inductor", "eager"):  # vLLM's defaults
+                comp.backend = "tpu"
 
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         os.environ["VLLM_DISABLE_SHARED_EXPERTS_STREAM"] = "1"

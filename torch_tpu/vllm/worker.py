@@ -34,7 +34,7 @@ from vllm.v1.worker.worker_base import CompilationTimes
 
 import torch_tpu.vllm.attention  # noqa: F401  (registers the attention backend)
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logging config
 
 TPU = torch.device("tpu", 0)
 
@@ -45,35 +45,135 @@ def _to(x: Any, device: torch.device) -> Any:
     return x
 
 
+def _pad_forward_context(ctx, n: int, padded: int) -> None:
+    """Check that the step's attention metadata was built for the token
+    bucket ``padded``, and point the forward context's per-layer slot
+    mappings (length ``n``, read by vLLM's attention layer inside the
+    compiled model) at the metadata's padded ones, so no tensor the compiled
+    model reads has a length other than a bucket's."""
+    from torch_tpu.vllm.attention import TPUAttentionMetadata
+
+    meta = ctx.attn_metadata
+    if meta is None:
+        return
+    if not isinstance(meta, dict):
+        raise NotImplementedError(
+            f"torch_tpu vLLM: attention metadata of type {type(meta).__name__} (only one "
+            "dict per step; no speculative decoding or micro-batching)")
+    for m in meta.values():
+        if isinstance(m, TPUAttentionMetadata) and m.num_padded_tokens != padded:
+            raise RuntimeError(
+                f"torch_tpu vLLM: the model got {n} tokens (bucket {padded}) but the "
+                f"attention metadata was built for bucket {m.num_padded_tokens}")
+    if isinstance(ctx.slot_mapping, dict):
+        ctx.slot_mapping = {
+            name: meta[name].slot_mapping if isinstance(meta.get(name), TPUAttentionMetadata)
+            else sm for name, sm in ctx.slot_mapping.items()}
+
+
 class TPUModelRunner(CPUModelRunner):
     """CPUModelRunner whose model and KV cache live on ``tpu``."""
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
+        """Load the model on tpu and wrap it at its boundary.
+
+        ``forward`` pads the step's tokens to the next token bucket
+        (torch_tpu.vllm.buckets), moves them to tpu, runs the model and
+        brings the hidden states of the real tokens back; ``compute_logits``
+        pads its rows to the next batch bucket.  Under
+        ``CompilationMode.STOCK_TORCH_COMPILE`` (the platform's default unless
+        ``enforce_eager``) both run through ``torch.compile`` with the backend
+        of vLLM's ``CompilationConfig.init_backend`` (``"tpu"``),
+        ``fullgraph=True, dynamic=False``: one program per bucket, compiled
+        by :meth:`warm_up_buckets` at start-up.
+        """
+        from torch_tpu.vllm import buckets
+
         super().load_model(load_dummy_weights=load_dummy_weights)
         model = self.model
         for p in model.parameters():
             if p.device.type != "tpu":
                 raise RuntimeError(
                     f"torch_tpu vLLM: a parameter was loaded on {p.device}, not tpu")
+        self.token_buckets, self.batch_buckets = buckets.for_config(self.vllm_config)
         forward = model.forward
         compute_logits = model.compute_logits
+        self.tpu_compiled = self.compilation_config.mode == CompilationMode.STOCK_TORCH_COMPILE
+        if self.tpu_compiled:
+            from vllm.compilation.counter import compilation_counter
 
-        @functools.wraps(forward)
-        def forward_on_tpu(*args, **kwargs):
-            args = [_to(a, TPU) for a in args]
+            backend = self.compilation_config.init_backend(self.vllm_config)
+            # One Dynamo cache entry per bucket (and a few spare).
+            limit = len(self.token_buckets) + len(self.batch_buckets) + 8
+            torch._dynamo.config.cache_size_limit = max(
+                torch._dynamo.config.cache_size_limit, limit)
+            torch._dynamo.config.accumulated_cache_size_limit = max(
+                torch._dynamo.config.accumulated_cache_size_limit, 4 * limit)
+            compilation_counter.stock_torch_compile_count += 1
+            forward = torch.compile(forward, backend=backend, fullgraph=True, dynamic=False)
+            compute_logits = torch.compile(compute_logits, backend=backend, fullgraph=True,
+                                           dynamic=False)
+        token_buckets, batch_buckets = self.token_buckets, self.batch_buckets
+
+        @functools.wraps(model.forward)
+        def forward_on_tpu(input_ids=None, positions=None, intermediate_tensors=None,
+                           inputs_embeds=None, **kwargs):
+            if input_ids is None or inputs_embeds is not None or intermediate_tensors is not None:
+                raise NotImplementedError(
+                    "torch_tpu vLLM: only token-id inputs (no inputs_embeds, no pipeline "
+                    "parallelism)")
+            n = input_ids.shape[0]
+            padded = buckets.pad_to(n, token_buckets)
+            from vllm.forward_context import get_forward_context, is_forward_context_available
+            if is_forward_context_available():
+                _pad_forward_context(get_forward_context(), n, padded)
+            ids = torch.zeros(padded, dtype=input_ids.dtype)
+            ids[:n] = input_ids
+            pos = torch.zeros((*positions.shape[:-1], padded), dtype=positions.dtype)
+            pos[..., :n] = positions
             kwargs = {k: _to(v, TPU) for k, v in kwargs.items()}
-            out = forward(*args, **kwargs)
+            out = forward(ids.to(TPU), pos.to(TPU), **kwargs)
             if isinstance(out, torch.Tensor):
-                return out.cpu()
-            return out  # IntermediateTensors/tuples only for PP/aux outputs
+                return out.cpu()[:n]
+            raise NotImplementedError(
+                f"torch_tpu vLLM: the model returned {type(out).__name__}, not hidden states")
 
-        @functools.wraps(compute_logits)
+        @functools.wraps(model.compute_logits)
         def compute_logits_on_tpu(hidden_states, *args, **kwargs):
-            logits = compute_logits(hidden_states.to(TPU), *args, **kwargs)
-            return None if logits is None else logits.cpu()
+            n = hidden_states.shape[0]
+            padded = buckets.pad_to(n, batch_buckets)
+            h = torch.zeros((padded, *hidden_states.shape[1:]), dtype=hidden_states.dtype)
+            h[:n] = hidden_states
+            logits = compute_logits(h.to(TPU), *args, **kwargs)
+            return None if logits is None else logits.cpu()[:n]
 
         model.forward = forward_on_tpu
         model.compute_logits = compute_logits_on_tpu
+
+    def warm_up_buckets(self) -> dict:
+        """Run one dummy step per token bucket (with attention metadata, so the
+        paged attention is in the program) and ``compute_logits`` per batch
+        bucket; returns {"token_buckets", "batch_buckets", "seconds"}."""
+        import time
+
+        from vllm.config import CUDAGraphMode
+
+        t0 = time.perf_counter()
+        hidden = self.model_config.get_hidden_size()
+        for n in self.token_buckets:
+            if n > self.scheduler_config.max_num_batched_tokens:
+                n = self.scheduler_config.max_num_batched_tokens  # pads to the same bucket
+            self._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
+                            allow_microbatching=False, skip_eplb=True)
+        with torch.inference_mode():  # as execute_model: Dynamo guards on grad mode
+            for b in self.batch_buckets:
+                self.model.compute_logits(torch.zeros(b, hidden, dtype=self.model_config.dtype))
+                self._zero_block_ids([0] * b)  # the null block: nothing real is zeroed
+        seconds = time.perf_counter() - t0
+        logger.info("torch_tpu: warmed up token buckets %s and batch buckets %s in %.1f s",
+                    self.token_buckets, self.batch_buckets, seconds)
+        return {"token_buckets": list(self.token_buckets),
+                "batch_buckets": list(self.batch_buckets), "seconds": seconds}
 
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
                                     kv_cache_allocation_context=None):
@@ -102,9 +202,17 @@ class TPUModelRunner(CPUModelRunner):
         return kv_caches
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
+        """Zero newly allocated blocks: one ``index_fill_`` per layer, the id
+        list padded with vLLM's null block 0 to a batch bucket (a fixed set
+        of shapes, compiled at warm-up)."""
+        from torch_tpu.vllm import buckets
+
         if not block_ids:
             return
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=TPU)
+        padded = buckets.pad_to(len(block_ids), self.batch_buckets)
+        ids = torch.zeros(padded, dtype=torch.int64)
+        ids[:len(block_ids)] = torch.tensor(block_ids, dtype=torch.int64)
+        ids = ids.to(TPU)
         seen: set[int] = set()
         for group in self.kv_cache_config.kv_cache_groups:
             if not isinstance(group.kv_cache_spec, FullAttentionSpec):
@@ -159,6 +267,11 @@ class TPUWorker(Worker):
         return budget
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
+        """Compile every bucket before serving (vLLM calls this at start-up,
+        after the KV cache exists); eager mode warms the per-op caches the
+        same way."""
+        times = self.model_runner.warm_up_buckets()
+        self.compilation_config.compilation_time += times["seconds"]
         set_random_seed(self.model_config.seed)
         return CompilationTimes(
             language_model=self.compilation_config.compilation_time,

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""New shapes: 20 sequence lengths through a transformer block, and greedy
+generate() of a tiny Llama, cold against warm and CPU.
+
+Issue 12 benchmarks (a), (b) and (c). Each configuration runs in a fresh
+process with an empty TORCH_TPU_CACHE_DIR (so every compile is paid), one
+thread, launched back to back by this script.
+
+(a)/(b): a 2-layer Llama-style model (hidden 64, 4 heads, 2 KV heads,
+vocab 256, seeded random weights), 24-token greedy generate() from an
+8-token prompt: the first call (compiles included) against the same call
+again (warm) and against CPU; then a prompt 4 tokens longer (b); the
+tokens are compared with CPU's.
+
+(c): 20 sequence lengths of a small transformer block forward in CPU eager,
+tpu strict, tpu fused, torch.compile(backend="tpu", dynamic=True); the
+table lists per configuration the time of
+the first pass over the 20 lengths (compiles included), XLA compiles during
+it, the time of a second pass (everything warm), and the first pass against
+CPU eager. Block: pre-norm attention (4 heads, softmax over the sequence),
+layer norms, GELU MLP, hidden 64, batch 2, causal mask; lengths 1..65
+around the bucket edges 8, 16, 32, 64 (torch_tpu._dynamic buckets).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+LENGTHS = [5, 1, 2, 3, 7, 8, 9, 12, 15, 16, 17, 24, 31, 32, 33, 40, 48, 63, 64, 65]
+
+
+def _child(config: str) -> dict:
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+
+    class Block(nn.Module):
+        def __init__(self, dim=64, heads=4):
+            super().__init__()
+            self.heads = heads
+            self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+            self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+            self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            h = self.heads
+            q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+            q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
+            s = q @ k.transpose(-1, -2) / math.sqrt(d // h)
+            keep = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            s = s.masked_fill(~keep, float("-inf"))
+            y = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+            x = x + self.proj(y)
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    torch.manual_seed(0)
+    block = Block().eval()
+    inputs = [torch.randn(2, n, 64) for n in LENGTHS]
+    if config == "cpu":
+        fn, sync, metrics = block, (lambda: None), None
+    else:
+        import torch_tpu
+
+        block = block.to("tpu")
+        inputs = [x.to("tpu") for x in inputs]
+        mode = "fused" if config == "fused" else "strict"
+        torch_tpu.set_eager_mode(mode)
+        fn = torch.compile(block, backend="tpu", dynamic=True) if config == "compile" else block
+        sync, metrics = torch.tpu.synchronize, torch_tpu.metrics
+        sync()
+
+    def one_pass():
+        start = time.perf_counter()
+        with torch.no_grad():
+            for x in inputs:
+                fn(x)
+                sync()
+        return time.perf_counter() - start
+
+    c0 = metrics()["compiles"] if metrics else 0
+    first = one_pass()
+    compiles = (metrics()["compiles"] - c0) if metrics else 0
+    second = one_pass()
+    out = {"first_s": first, "compiles": compiles, "warm_s": second,
+           "compile_s": (metrics()["compile_time_s"]) if metrics else 0.0}
+    if config == "compile":
+        from torch_tpu import _dynamic
+
+        out["programs"] = dict(_dynamic.stats)
+    return out
+
+
+def _child_generate(config: str) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (1, 8), generator=g), torch.randint(3, 256, (1, 12), generator=g)]
+    device, sync, metrics = "cpu", (lambda: None), None
+    if config != "cpu":
+        import torch_tpu
+
+        torch_tpu.set_eager_mode(config)
+        model = model.to("tpu")
+        device, sync, metrics = "tpu", torch.tpu.synchronize, torch_tpu.metrics
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
+
+    def call(ids):
+        c0 = metrics()["compiles"] if metrics else 0
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device), **kw)
+        sync()
+        elapsed = time.perf_counter() - start
+        return elapsed, (metrics()["compiles"] - c0) if metrics else 0, out.cpu()[0].tolist()
+
+    first, first_c, tokens = call(prompts[0])
+    warm, _, _ = call(prompts[0])
+    longer, longer_c, tokens_longer = call(prompts[1])
+    return {"first_s": first, "first_compiles": first_c, "warm_s": warm, "longer_s": longer,
+            "longer_compiles": longer_c, "tokens": [tokens, tokens_longer]}
+
+
+def _run_child(kind: str, config: str) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCH_TPU_CACHE_DIR=cache, OMP_NUM_THREADS="1")
+        r = subprocess.run([sys.executable, __file__, "--child", f"{kind}:{config}"], env=env,
+                           capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        raise SystemExit(f"{kind} {config} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _generate_table() -> None:
+    results = {c: _run_child("generate", c) for c in ("cpu", "strict", "fused")}
+    cpu = results["cpu"]
+    print("(a)/(b) 24-token greedy generate(), 2-layer Llama hidden 64, prompt 8 then 12 tokens; "
+          "fresh process and empty cache per row")
+    print()
+    print("| configuration | first call (s) | compiles | warm call (s) | first/warm | first/CPU | "
+          "prompt +4 (s) | compiles | +4/warm | tokens = CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for config, r in results.items():
+        same = "yes" if r["tokens"] == cpu["tokens"] else "NO"
+        print(f"| {'CPU eager' if config == 'cpu' else 'tpu ' + config} | {r['first_s']:.2f} | "
+              f"{r['first_compiles']} | {r['warm_s']:.3f} | {r['first_s'] / r['warm_s']:.1f}x | "
+              f"{r['first_s'] / cpu['first_s']:.1f}x | {r['longer_s']:.2f} | {r['longer_compiles']} | "
+              f"{r['longer_s'] / r['warm_s']:.1f}x | {same} |")
+    print()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--only", choices=["generate", "lengths"], help="run one of the two tables")
+    args = p.parse_args()
+    if args.child:
+        kind, config = args.child.split(":")
+        print(json.dumps(_child_generate(config) if kind == "generate" else _child(config)))
+        return
+    if args.only != "lengths":
+        _generate_table()
+    if args.only == "generate":
+        return
+    results = {c: _run_child("lengths", c) for c in ("cpu", "strict", "fused", "compile")}
+    cpu = results["cpu"]["first_s"]
+    names = {"cpu": "CPU eager", "strict": "tpu strict", "fused": "tpu fused",
+             "compile": 'torch.compile(backend="tpu", dynamic=True)'}
+    print(f"20 lengths {LENGTHS[0]}..{max(LENGTHS)}, batch 2, hidden 64; fresh process and empty cache per row")
+    print()
+    print("| configuration | first pass (s) | XLA compiles | of which compiling (s) | warm pass (s) | "
+          "first pass / CPU |")
+    print("|---|---|---|---|---|---|")
+    for config, r in results.items():
+        print(f"| {names[config]} | {r['first_s']:.2f} | {r['compiles']} | {r['compile_s']:.1f} | "
+              f"{r['warm_s']:.3f} | {r['first_s'] / cpu:.1f}x |")
+    if "programs" in results["compile"]:
+        print()
+        print(f"torch.compile programs: {results['compile']['programs']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""vLLM serving on tpu vs Hugging Face ``generate()``, one run, same prompts.
+
+    .venv/bin/python benchmarks/bench_vllm.py [--new-tokens 32] [--prompt-len 32]
+
+Model: the tiny seeded Llama of torch_tpu.vllm.tiny (2 layers, hidden 128,
+GQA 4/2 heads, vocabulary 30522, float32), built in a temporary directory.
+Prompts: 16 prompts of ``--prompt-len`` random token ids (seed 0); every
+configuration generates ``--new-tokens`` greedy tokens per prompt, EOS
+ignored, and reports output tokens per second (wall clock) at 1 request
+(the first prompt) and 16 concurrent requests (all of them):
+
+1. vLLM on tpu: vLLM's OpenAI server (examples/serve_vllm.py's
+   ``vllm_server``; compiled, buckets warmed up at start-up) queried with
+   httpx, 16 requests from 16 threads; one untimed request first.  And the
+   offline engine, ``vllm.LLM(...).generate`` (same limits, in a child
+   process, engine in-process), 1 prompt and then the 16 in one call, after
+   an untimed call of the same.
+2. HF ``generate()`` on tpu, batched: the 16 prompts as one batch (all the
+   same length, so no padding), after one untimed generate of the same
+   shapes (the per-op program caches are then warm).
+3. HF ``generate()`` on CPU, batched the same way.
+
+Start-up: time from launching ``vllm serve`` to the first token of a first
+request (max_tokens=1), with an empty TORCH_TPU_CACHE_DIR (cold: every
+program compiles) and again with the same directory (warm: executables come
+from the disk cache); the ratio cold/warm.
+
+Prints one markdown table; BENCHMARKS.md records a run.  Exits non-zero if a
+server fails to start or a request fails.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import subprocess
+import os
+import random
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+
+def _serve_round(serve_vllm, url, model, prompts, new_tokens):
+    """(tokens/s at 1 request, tokens/s at len(prompts) concurrent)."""
+    warm = serve_vllm.complete(url, model, prompts[0], new_tokens)
+    if warm["status"] != 200:
+        raise RuntimeError(f"warm-up request failed: {warm}")
+    t0 = time.perf_counter()
+    one = serve_vllm.complete(url, model, prompts[0], new_tokens)
+    t1 = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        many = list(pool.map(lambda p: serve_vllm.complete(url, model, p, new_tokens), prompts))
+    tn = time.perf_counter() - t0
+    for r in [one] + many:
+        if r["status"] != 200 or len(r["json"]["choices"][0]["token_ids"]) != new_tokens:
+            raise RuntimeError(f"request failed: {r}")
+    return new_tokens / t1, len(prompts) * new_tokens / tn
+
+
+def _offline_child(model_dir: str, prompts_json: str, new_tokens: int) -> None:
+    """In a child process: vLLM's offline engine on tpu; prints JSON rates."""
+    os.environ["TORCH_TPU_VLLM"] = "1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(prompts_json)]
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, block_size=16,
+              kv_cache_memory_bytes=64 << 20, max_num_seqs=16, max_num_batched_tokens=256,
+              seed=0)
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    rates = []
+    for batch in (prompts[:1], prompts):
+        llm.generate(batch, sp, use_tqdm=False)
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        if any(len(o.outputs[0].token_ids) != new_tokens for o in outs):
+            raise RuntimeError("offline generate gave fewer tokens")
+        rates.append(len(batch) * new_tokens / dt)
+    print("RATES " + json.dumps(rates), flush=True)
+
+
+def _offline_round(model_dir, prompts, new_tokens):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--offline-child", model_dir,
+                        json.dumps(prompts), str(new_tokens)], capture_output=True, text=True,
+                       env=env, timeout=1200)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RATES ")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"offline vLLM child failed ({p.returncode}): {p.stderr[-3000:]}")
+    return tuple(json.loads(lines[-1][6:]))
+
+
+def _hf_round(model_dir, device, prompts, new_tokens):
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval().to(device)
+    cfg = transformers.GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                        do_sample=False, eos_token_id=None, pad_token_id=0,
+                                        bos_token_id=None)
+
+    def run(batch):
+        ids = torch.tensor(batch, device=device)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+        out = out.cpu()
+        if out.shape[1] - ids.shape[1] != new_tokens:
+            raise RuntimeError(f"generate gave {out.shape[1] - ids.shape[1]} tokens")
+        return out
+
+    rates = []
+    for batch in ([prompts[0]], prompts):
+        run(batch)  # untimed: same shapes
+        t0 = time.perf_counter()
+        run(batch)
+        rates.append(len(batch) * new_tokens / (time.perf_counter() - t0))
+    return tuple(rates)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=16)
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import serve_vllm
+    from torch_tpu.vllm.tiny import make_model_dir
+
+    tmp = tempfile.mkdtemp(prefix="bench_vllm_")
+    model = make_model_dir(os.path.join(tmp, "tiny-llama"), "llama", seed=0)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 30000) for _ in range(args.prompt_len)]
+               for _ in range(args.requests)]
+    cache = os.path.join(tmp, "tpu-cache")  # empty: the first start is cold
+    rows, start = {}, {}
+    for run in ("cold", "warm"):
+        log = os.path.join(tmp, f"server-{run}.log")
+        t0 = time.perf_counter()
+        with serve_vllm.vllm_server(model, serve_vllm.free_port(), log_path=log, timeout_s=900,
+                                    env={"TORCH_TPU_CACHE_DIR": cache}) as url:
+            r = serve_vllm.complete(url, model, prompts[0], 1)
+            start[run] = time.perf_counter() - t0
+            if r["status"] != 200:
+                raise RuntimeError(f"first request failed: {r}")
+            if run == "warm":
+                rows["vLLM on tpu (OpenAI server, compiled)"] = _serve_round(
+                    serve_vllm, url, model, prompts, args.new_tokens)
+        print(f"# {run} start: {start[run]:.1f} s to the first token", flush=True)
+    rows["vLLM on tpu (offline LLM.generate, compiled)"] = _offline_round(
+        model, prompts, args.new_tokens)
+
+    import torch_tpu  # noqa: F401
+    rows["HF generate() on tpu, batched"] = _hf_round(model, "tpu", prompts, args.new_tokens)
+    rows["HF generate() on CPU, batched"] = _hf_round(model, "cpu", prompts, args.new_tokens)
+
+    base = rows["HF generate() on tpu, batched"]
+    n = args.requests
+    print(f"\nprompts of {args.prompt_len} tokens, {args.new_tokens} new tokens each, greedy\n")
+    print(f"| configuration | tokens/s, 1 request | tokens/s, {n} concurrent | "
+          f"{n} concurrent vs HF tpu batched |")
+    print("|---|---|---|---|")
+    for name, (one, many) in rows.items():
+        print(f"| {name} | {one:.1f} | {many:.1f} | {many / base[1]:.2f}x |")
+    print(f"\n| vllm serve start to first token | cold cache | warm cache | cold / warm |")
+    print("|---|---|---|---|")
+    print(f"| tiny Llama, {len(_buckets())} buckets | {start['cold']:.1f} s | "
+          f"{start['warm']:.1f} s | {start['cold'] / start['warm']:.2f}x |")
+
+
+def _buckets():
+    from torch_tpu.vllm import buckets
+    return buckets.token_buckets(256) + buckets.batch_buckets(16)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--offline-child":
+        _offline_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        main()

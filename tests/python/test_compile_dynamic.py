@@ -1,0 +1,204 @@
+"""torch.compile(backend="tpu") with symbolic shapes (dynamic=True,
+torch._dynamo.mark_dynamic): inference graphs compile once per size bucket
+(torch_tpu._dynamic), values equal the CPU eager module at every length
+(bucket edges and 1 included), compiles are counted."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn as nn
+import torch.nn.functional as F
+import torch_tpu
+from torch_tpu import _dynamic
+
+TPU = torch.device("tpu")
+
+# 20 sequence lengths: 1, both sides of every bucket edge (8, 16, 32, 64).
+LENGTHS = [5, 1, 2, 3, 7, 8, 9, 12, 15, 16, 17, 24, 31, 32, 33, 40, 48, 63, 64, 65]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: softmax attention over the sequence dim
+    (optionally causal), layer norms, GELU MLP; also returns the mean over
+    the sequence."""
+
+    def __init__(self, dim=32, heads=4, causal=False):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d // h)
+        if self.causal:
+            keep = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x, x.mean(1)
+
+
+class PooledMLP(nn.Module):
+    """A plain MLP per position, then reductions over the sequence dim
+    (sum, mean, max, logsumexp, log_softmax): each needs its own mask."""
+
+    def __init__(self, dim=16, hidden=64):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        h = self.net(x)
+        return h, h.sum(1), h.mean(1), h.amax(1), torch.logsumexp(h, 1), h.log_softmax(1)
+
+
+def _run(module_cpu, make_input, lengths, mark: bool, dynamic):
+    """Runs the compiled tpu copy at every length, checks values against
+    the CPU module, returns the compiles counted during compiled calls."""
+    tpu = copy.deepcopy(module_cpu).to(TPU)
+    compiled = torch.compile(tpu, backend="tpu", dynamic=dynamic)
+    compiles = 0
+    before = dict(_dynamic.stats)
+    with torch.no_grad():
+        for n in lengths:
+            x = make_input(n)
+            expected = module_cpu(x)
+            xt = x.to(TPU)
+            if mark and n > 1:
+                torch._dynamo.mark_dynamic(xt, 1)
+            c0 = torch_tpu.metrics()["compiles"]
+            out = compiled(xt)
+            compiles += torch_tpu.metrics()["compiles"] - c0
+            assert len(out) == len(expected)
+            for got, want in zip(out, expected):
+                assert got.device.type == "tpu" and got.shape == want.shape, (n, got.shape, want.shape)
+                torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5, msg=lambda m: f"length {n}: {m}")
+    delta = {k: _dynamic.stats[k] - before[k] for k in before}
+    return compiles, delta
+
+
+def _buckets(lengths):
+    return {_dynamic.bucket(n) for n in lengths if n > 1}
+
+
+_FULL = pytest.mark.full_tier
+
+
+# The default tier runs the causal block under mark_dynamic (~15 s); the
+# other three variants (~20-35 s each) run in the full tier.
+@pytest.mark.parametrize("causal,how", [
+    pytest.param(True, "mark_dynamic"),
+    pytest.param(False, "mark_dynamic", marks=_FULL),
+    pytest.param(True, "dynamic", marks=_FULL),
+    pytest.param(False, "dynamic", marks=_FULL),
+])
+def test_block_one_compile_per_bucket(causal, how):
+    torch.manual_seed(0)
+    block = Block(causal=causal).eval()
+    # batch 2 (a symbol too under dynamic=True: the flattened batch x sequence
+    # rows of the linears stay padded correctly)
+    compiles, delta = _run(block, lambda n: torch.randn(2, n, 32), LENGTHS, how == "mark_dynamic",
+                           True if how == "dynamic" else None)
+    buckets = _buckets(LENGTHS)
+    # Dynamo specializes length 1 into a graph of its own: static under
+    # mark_dynamic, bucketed on the batch symbol under dynamic=True.
+    extra = 1 if how == "dynamic" else 0
+    assert delta == {"bucket_programs": len(buckets) + extra, "exact_programs": 0, "fallback_graphs": 0}
+    # one program per bucket touched, plus the graph of length 1
+    assert compiles <= len(buckets) + 1, compiles
+
+
+@pytest.mark.parametrize("how", ["dynamic", "mark_dynamic"])
+def test_pooled_mlp_masks_every_reduction(how):
+    torch.manual_seed(1)
+    mlp = PooledMLP().eval()
+    lengths = [6, 1, 2, 8, 9, 16, 17, 31]
+    compiles, delta = _run(mlp, lambda n: torch.randn(3, n, 16) * 4, lengths, how == "mark_dynamic",
+                           True if how == "dynamic" else None)
+    buckets = _buckets(lengths)
+    extra = 1 if how == "dynamic" else 0
+    assert delta == {"bucket_programs": len(buckets) + extra, "exact_programs": 0, "fallback_graphs": 0}
+    assert compiles <= len(buckets) + 1, compiles
+
+
+def test_integer_reductions_exact():
+    """Integer sums/max over a padded dim equal CPU exactly (padding is
+    masked with each reduction's identity, including for max of negatives)."""
+
+    def f(x):
+        return x.sum(1), x.amax(1), x.amin(1), x.argmax(1), (x * 2).cumsum(1)
+
+    compiled = torch.compile(f, backend="tpu", dynamic=True)
+    before = dict(_dynamic.stats)
+    for n in [3, 5, 8, 9, 13]:
+        x = torch.randint(-50, -1, (2, n), dtype=torch.int64)
+        for got, want in zip(compiled(x.to(TPU)), f(x)):
+            assert torch.equal(got.cpu(), want), n
+    assert _dynamic.stats["bucket_programs"] - before["bucket_programs"] == 2  # buckets 8 and 16
+    assert _dynamic.stats["fallback_graphs"] == before["fallback_graphs"]
+
+
+def test_unsupported_graph_falls_back_per_shape(capsys, monkeypatch):
+    """A select from the padded dim (the last position) cannot be bucketed:
+    the graph compiles per shape, values still equal CPU, the debug log
+    names the node."""
+    monkeypatch.setenv("TORCH_TPU_COMPILE_DEBUG", "1")
+
+    def last(x):
+        return torch.tanh(x)[:, -1] * 2
+
+    compiled = torch.compile(last, backend="tpu", dynamic=True)
+    before = dict(_dynamic.stats)
+    lengths = [3, 4, 5]
+    for n in lengths:
+        x = torch.randn(2, n, 8)
+        torch.testing.assert_close(compiled(x.to(TPU)).cpu(), last(x))
+    assert _dynamic.stats["fallback_graphs"] - before["fallback_graphs"] == 1
+    assert _dynamic.stats["exact_programs"] - before["exact_programs"] == len(lengths)
+    assert "select" in capsys.readouterr().out
+
+
+def test_bucket_sizes():
+    assert [_dynamic.bucket(n) for n in (1, 2, 8, 9, 16, 17, 100)] == [8, 8, 8, 16, 16, 32, 128]
+
+
+def test_bucket_env_rejects_bad_values(monkeypatch):
+    monkeypatch.setenv("TORCH_TPU_DYNAMIC_MIN_BUCKET", "zero")
+    with pytest.raises(ValueError, match="TORCH_TPU_DYNAMIC_MIN_BUCKET"):
+        _dynamic.bucket(3)
+
+
+def test_training_falls_back_per_shape():
+    """Training graphs (grad needed) are specialized per shape: gradients
+    equal CPU's."""
+    torch.manual_seed(2)
+    mlp = PooledMLP()
+    tpu = copy.deepcopy(mlp).to(TPU)
+    compiled = torch.compile(tpu, backend="tpu", dynamic=True)
+    before = dict(_dynamic.stats)
+    for n in [3, 5]:
+        x = torch.randn(2, n, 16)
+        mlp.zero_grad()
+        tpu.zero_grad()
+        mlp(x)[2].sum().backward()
+        compiled(x.to(TPU))[2].sum().backward()
+        for p, q in zip(mlp.parameters(), tpu.parameters()):
+            torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-5)
+    assert _dynamic.stats == before

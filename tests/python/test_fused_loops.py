@@ -1,0 +1,153 @@
+"""Fused eager mode follows the program's loops and bounds shape churn
+(issue 12 item 3, docs/design.md "Fused eager mode"):
+
+- loop detection: a training loop that does not sync every step is cut into
+  one region per iteration, so after the first iterations no step compiles,
+  whatever the sync pattern (every step, every N steps, only at the end,
+  steps longer than TORCH_TPU_FUSED_MAX_OPS);
+- churn: a region structure seen with many sizes is compiled for the first
+  two only; further sizes run op by op (a recurring one is compiled after
+  all).
+
+Tests count compiles and regions (metrics), never times; every value is
+compared with CPU PyTorch on the same inputs (float32 tolerances)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch_tpu
+
+from conftest import no_cpu_fallback, run_python
+
+
+def _metric(name):
+    return torch_tpu.metrics()[name]
+
+
+def _train(device, steps, sync_every, on_step=None):
+    """An MLP trained with AdamW (foreach=False: ~70 recorded calls a step);
+    returns the losses. `sync_every` 0: no sync until the end."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                                torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    x = torch.randn(24, 16)
+    y = torch.randint(0, 4, (24,))
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+        if sync_every and (step + 1) % sync_every == 0:
+            loss.item()
+        if on_step:
+            on_step(step)
+    return torch.stack(losses).cpu()
+
+
+@pytest.mark.parametrize("sync_every", [1, 3, 0], ids=["sync-every-step", "sync-every-3", "sync-at-end"])
+def test_training_loop_reaches_steady_state(sync_every):
+    steps, warm = 14, 4
+    snapshots = {}
+
+    def on_step(step):
+        snapshots[step] = (_metric("compiles"), _metric("fused_regions"))
+
+    ref = _train("cpu", steps, sync_every)
+    with no_cpu_fallback(), torch_tpu.eager_mode("fused"):
+        got = _train("tpu", steps, sync_every, on_step)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # Steady state from the fifth step: no compile, one region per step
+    # (regions are counted when they run: the last step's region may still
+    # be recorded at its snapshot, so compare whole steps in between).
+    last = steps - 2
+    assert snapshots[last][0] == snapshots[warm][0]
+    assert snapshots[last][1] - snapshots[warm][1] == last - warm
+
+
+def test_steps_longer_than_the_size_bound():
+    """A step of ~70 calls with TORCH_TPU_FUSED_MAX_OPS=16: the step is cut
+    into pieces of 16 calls from its own start, so the pieces repeat (before
+    loop detection, slices of 16 drifted across steps: a new structure,
+    a compile, at almost every slice)."""
+    code = """
+import sys, torch, torch_tpu
+sys.path.insert(0, %r)
+from test_fused_loops import _train
+snap = {}
+def on_step(step):
+    snap[step] = torch_tpu.metrics()["compiles"]
+ref = _train("cpu", 12, 0)
+with torch_tpu.eager_mode("fused"):
+    got = _train("tpu", 12, 0, on_step)
+torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+print(snap[10] - snap[4])
+""" % str(__import__("pathlib").Path(__file__).parent)
+    r = run_python(code, env={"TORCH_TPU_FUSED_MAX_OPS": "16"}, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "0"
+
+
+def test_short_loop_regions_hold_several_iterations():
+    """A loop of one call (x = x * c) is cut into regions of 64 calls, not 1
+    (without loop detection: one region of 100 calls)."""
+    x_cpu = torch.linspace(-1, 1, 10)
+    with no_cpu_fallback(), torch_tpu.eager_mode("fused"):
+        x = x_cpu.to("tpu")
+        regions = _metric("fused_regions")
+        for _ in range(100):
+            x = x * 1.01
+        got = x.cpu()
+        regions = _metric("fused_regions") - regions
+    ref = x_cpu
+    for _ in range(100):
+        ref = ref * 1.01
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    assert 2 <= regions <= 3  # 100 calls: a region of 64 (the loop's cycle), the rest at .cpu()
+
+
+def _block(x):
+    h = torch.nn.functional.gelu(x @ x.transpose(-1, -2)) @ x
+    return torch.nn.functional.layer_norm(h + x, x.shape[-1:]).sum(-1)
+
+
+def test_churning_structure_runs_op_by_op():
+    """One region structure with 8 sizes: compiled for the first 2 sizes only,
+    the other 6 run through the single-op executables; values equal CPU at
+    every size. A size that recurs is compiled after all. (Size 1 is checked
+    for values only: a matmul over one row may lower to other ops, another
+    structure.)"""
+    sizes = [3, 8, 7, 4, 9, 2, 6, 5]
+    inputs = [torch.randn(4, n, 8) for n in sizes]
+    with no_cpu_fallback(), torch_tpu.eager_mode("fused"):
+        regions = _metric("fused_regions")
+        got = [_block(x.to("tpu")).cpu() for x in inputs]
+        churn_regions = _metric("fused_regions") - regions
+        # The last size (run op by op once above) four more times: op by op
+        # once more, compiled at its third occurrence, then region hits.
+        regions = _metric("fused_regions")
+        again = [_block(inputs[-1].to("tpu")).cpu() for _ in range(4)]
+        recur_regions = _metric("fused_regions") - regions
+        one = _block(inputs[0][:, :1].to("tpu")).cpu()
+    for g, x in zip(got, inputs):
+        torch.testing.assert_close(g, _block(x), rtol=1e-5, atol=1e-5)
+    for g in again:
+        torch.testing.assert_close(g, _block(inputs[-1]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one, _block(inputs[0][:, :1]), rtol=1e-5, atol=1e-5)
+    assert churn_regions == 2
+    assert recur_regions == 3
+
+
+def test_static_structure_stays_fused():
+    x_cpu = torch.randn(4, 6, 8)
+    with no_cpu_fallback(), torch_tpu.eager_mode("fused"):
+        regions = _metric("fused_regions")
+        x = x_cpu.to("tpu")
+        got = [_block(x).exp().cpu() for _ in range(5)]  # a structure of its own
+        regions = _metric("fused_regions") - regions
+    for g in got:
+        torch.testing.assert_close(g, _block(x_cpu).exp(), rtol=1e-5, atol=1e-5)
+    assert regions == 5
