@@ -166,8 +166,13 @@ void Buffer::ToHost(void* dst, size_t nbytes) const {
     ReadyEvent()->Await();
     return;
   }
+  // The dense host size (the on-device size may include a layout's padding).
+  size_t whole = ElementSizeInBytes(element_type());
+  for (int64_t d : dimensions()) whole *= static_cast<size_t>(d);
+  if (nbytes > whole)
+    throw Error("Buffer::ToHost: asked for " + std::to_string(nbytes) + " bytes of a " + std::to_string(whole) +
+                "-byte buffer");
   if (ToHostDirect(dst, nbytes)) return;
-  const size_t whole = on_device_size_in_bytes();
   if (nbytes < whole) {  // a prefix: the plugin copies whole buffers
     std::vector<char> all(whole);
     ToHostViaPlugin(all.data(), whole);

@@ -228,10 +228,16 @@ TEST_F(PjrtRuntimeTest, ToHostPathsAgree) {
   EXPECT_EQ(m_via, m);
 }
 
-TEST_F(PjrtRuntimeTest, ToHostIntoTooSmallBufferThrows) {
+TEST_F(PjrtRuntimeTest, ToHostReadsAPrefixAndRejectsMoreThanTheBuffer) {
+  // A storage's bytes are a prefix of its buffer (capacity padding): a
+  // shorter read copies the first nbytes; a longer one throws.
   auto ba = Upload({1, 2, 3, 4});
-  std::vector<float> small(2);
-  EXPECT_THROW(ba->ToHost(small.data(), 2 * sizeof(float)), Error);
+  std::vector<float> small(2, -1.f);
+  ba->ToHost(small.data(), 2 * sizeof(float));
+  EXPECT_EQ(small[0], 1.f);
+  EXPECT_EQ(small[1], 2.f);
+  std::vector<float> large(8);
+  EXPECT_THROW(ba->ToHost(large.data(), 8 * sizeof(float)), Error);
 }
 
 TEST_F(PjrtRuntimeTest, ChainedExecutionsWithoutWaiting) {
