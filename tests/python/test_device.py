@@ -579,15 +579,20 @@ def test_untyped_storage_resize_reads_pending_fused_work():
         assert a.untyped_storage().nbytes() == 0
 
 
-def test_untyped_storage_resize_to_a_partial_element_then_typed_read_raises():
-    t = torch.arange(4, dtype=torch.float32, device="tpu") + 0
+def test_untyped_storage_resize_to_a_partial_element_then_typed_read():
+    # 7 bytes are kept as bytes (not a whole number of f32); the storage's
+    # buffer is a capacity bucket of them, so an f32 view of its first
+    # element reads the same 4 bytes as on CPU.
+    t = torch.arange(1, 5, dtype=torch.float32, device="tpu") + 0
     s = t.untyped_storage()
-    s.resize_(7)  # the bytes are kept as bytes: 7 is not a whole number of f32
+    s.resize_(7)
     assert s.nbytes() == 7
     assert torch.equal(torch.empty(0, dtype=torch.uint8, device="tpu").set_(s, 0, (7,)).cpu(),
-                       torch.arange(4, dtype=torch.float32).view(torch.uint8)[:7])
-    with pytest.raises(RuntimeError, match="cannot be read as f32"):
-        torch.empty(0, device="tpu").set_(s, 0, (1,)).cpu()
+                       torch.arange(1, 5, dtype=torch.float32).view(torch.uint8)[:7])
+    cpu = torch.arange(1, 5, dtype=torch.float32)
+    cpu.untyped_storage().resize_(7)
+    assert torch.equal(torch.empty(0, device="tpu").set_(s, 0, (1,)).cpu(),
+                       torch.empty(0).set_(cpu.untyped_storage(), 0, (1,)))
 
 
 @pytest.mark.parametrize("mode", ["strict", "fused", "debug"])
