@@ -19,7 +19,9 @@ def maps():
 
 
 def _run(body: str, limit: str | None, mode: str = "strict") -> dict:
-    env = {"TORCH_TPU_CACHE_DIR": "", "TORCH_TPU_EAGER_MODE": mode}
+    # Exact-shape programs only: these tests make many distinct programs from
+    # many lengths, which shape-polymorphic programs would share (buckets).
+    env = {"TORCH_TPU_CACHE_DIR": "", "TORCH_TPU_EAGER_MODE": mode, "TORCH_TPU_SHAPE_POLY": "0"}
     if limit is not None:
         env["TORCH_TPU_MAX_CACHED_EXECUTABLES"] = limit
     r = run_python(_PRELUDE + body, env=env, timeout=600)
