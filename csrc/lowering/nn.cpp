@@ -18,13 +18,14 @@ using hlo::CompareDirection;
 
 
 
-// Returns the meta kernel leaves undefined (output_mask false) cannot be
-// produced by the executor yet (it casts every return to the meta dtype);
-// such calls run on the CPU instead of failing.
-void RequireDefinedOutputs(const LoweringContext& ctx) {
-  for (const auto& o : ctx.outputs)
-    if (o.dtype == at::ScalarType::Undefined)
-      throw LoweringError(ctx.op_name() + ": output_mask leaves a return undefined, which the executor cannot return");
+// output_mask with the returns the meta kernel leaves undefined switched
+// off: in a graph (FX) an undefined return has dtype Undefined and gets a
+// placeholder the graph program drops (eager passes a float placeholder spec).
+std::vector<bool> DefinedMask(const LoweringContext& ctx, size_t n) {
+  std::vector<bool> out = ctx.bools("output_mask", n);
+  for (size_t i = 0; i < n && i < ctx.outputs.size(); ++i)
+    if (ctx.outputs[i].dtype == at::ScalarType::Undefined) out[i] = false;
+  return out;
 }
 
 // A placeholder for a return the op does not compute (output_mask false).
@@ -159,9 +160,8 @@ std::vector<Value> LowerLayerNorm(LoweringContext& ctx) {
 }
 
 std::vector<Value> LowerLayerNormBackward(LoweringContext& ctx) {
-  RequireDefinedOutputs(ctx);
   auto& b = ctx.b;
-  auto mask = ctx.bools("output_mask", 3);
+  auto mask = DefinedMask(ctx, 3);
   Value input = ctx.tensor("input");
   at::ScalarType acc = Acc(input.element() == ElementType::kF64 ? at::kDouble : at::kFloat);
   Value x = Cast(b, input, acc);
@@ -266,9 +266,8 @@ std::vector<Value> LowerBatchNorm(LoweringContext& ctx) {
 }
 
 std::vector<Value> LowerBatchNormBackward(LoweringContext& ctx) {
-  RequireDefinedOutputs(ctx);
   auto& b = ctx.b;
-  auto mask = ctx.bools("output_mask", 3);
+  auto mask = DefinedMask(ctx, 3);
   Value input = ctx.tensor("input");
   at::ScalarType acc = input.element() == ElementType::kF64 ? at::kDouble : at::kFloat;
   ElementType e = ToElementType(acc);

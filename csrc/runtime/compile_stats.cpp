@@ -170,7 +170,10 @@ CompileCause CompileStats::Record(const std::string& op_name, const CallSignatur
     if (!same_all) p.seen.push_back({sig.layout, sig.dtypes, sig.statics});
     if (std::find(p.layouts.begin(), p.layouts.end(), sig.layout) == p.layouts.end()) {
       p.layouts.push_back(sig.layout);
-      if (p.stats.shapes.size() < kKeptShapes) p.stats.shapes.push_back(sig.shapes);
+      // Layouts differing only in strides print alike: keep each text once.
+      if (p.stats.shapes.size() < kKeptShapes &&
+          std::find(p.stats.shapes.begin(), p.stats.shapes.end(), sig.shapes) == p.stats.shapes.end())
+        p.stats.shapes.push_back(sig.shapes);
     }
     p.stats.compiles++;
     p.stats.by_cause[static_cast<size_t>(cause)]++;
@@ -188,7 +191,11 @@ CompileCause CompileStats::Record(const std::string& op_name, const CallSignatur
           "TORCH_TPU_RECOMPILE_WARN=N sets this warning's threshold (0 disables it).";
     }
   }
-  if (!warning.empty()) TORCH_WARN(warning);
+  // Verbatim: the text names the op and shapes already; PyTorch's handler
+  // would otherwise append "(Triggered internally at compile_stats.cpp...)".
+  if (!warning.empty())
+    c10::warn(c10::Warning(c10::UserWarning(), {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, warning,
+                           /*verbatim=*/true));
   return cause;
 }
 

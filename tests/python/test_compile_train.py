@@ -139,3 +139,25 @@ def test_compiled_mlp_inputs_made_on_device_fused():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_norms_without_bias_or_affine_stay_one_program():
+    """LayerNorm(bias=False) and BatchNorm1d(affine=False): their backward's
+    output_mask leaves returns undefined; the backward graph must still be
+    one program (it ran op by op before) with CPU's gradients."""
+    import warnings
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64, bias=False), nn.GELU(),
+                             nn.BatchNorm1d(64, affine=False), nn.Linear(64, 10))
+
+    def batch():
+        g = torch.Generator().manual_seed(1)
+        return [torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _compare(model, _mlp_loss, batch, "strict")
+    op_by_op = [str(w.message) for w in caught if "runs op by op" in str(w.message)]
+    assert not op_by_op, op_by_op
