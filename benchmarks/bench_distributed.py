@@ -4,10 +4,13 @@
 For each size (default 1 MB and 64 MB of float32): ``dist.all_reduce`` of a
 tpu tensor through tpu_dist (host-staged: tpu -> host, gloo, host -> tpu,
 timed until the result is back in the tpu tensor: ``torch.tpu.synchronize``)
-and of a CPU tensor of the same size through a gloo group. Prints the median
+and of a CPU tensor of the same size through a gloo group, the two
+interleaved call by call (the same load on both). Prints the median
 time of --iters calls after --warmup, the bus bandwidth (NCCL's definition for
 all_reduce: 2 (n - 1) / n * bytes / time) and the ratio tpu / gloo (higher is
-better; the issue's target is at least 0.8x). Then the DDP training step
+better; the issue's target is at least 0.8x), and a breakdown of the staged
+call: a tpu->host copy_ into a host tensor, gloo's all_reduce, a host->tpu
+copy_ + synchronize, beside a host memcpy of the same size. Then the DDP training step
 (MLP 256-512-512-10, batch 64 per rank, SGD, strict mode) on 2 ranks vs the
 same DDP step on 1 rank: the ratio is the cost of the gradient all-reduce. Each rank runs with one
 intra-op thread, as torchrun sets it (OMP_NUM_THREADS=1): with a thread pool
@@ -68,21 +71,30 @@ def _worker(rank, world, store, sizes_mb, iters, warmup, out):
     rows = []
     for mb in sizes_mb if world > 1 else []:
         n = int(mb * 2**20) // 4
-        timings = {}
-        for name, device, group in (("tpu host-staged", "tpu", None), ("gloo cpu", "cpu", gloo)):
-            t = torch.ones(n, device=device)
-            times = []
-            for i in range(warmup + iters):
-                dist.barrier(group=gloo)
-                start = time.perf_counter()
-                dist.all_reduce(t, group=group)
-                if device == "tpu":
-                    torch.tpu.synchronize()
-                if i >= warmup:
-                    times.append(time.perf_counter() - start)
-            timings[name] = statistics.median(times)
-            # the values are still right after warmup + iters sums of ones
-            assert t[:4].cpu().tolist() == [float(world ** (warmup + iters))] * 4 or n == 0
+        t = torch.ones(n, device="tpu")
+        c = torch.ones(n)
+        host = torch.empty(n)
+        times = {k: [] for k in ("tpu host-staged", "gloo cpu", "tpu->host copy", "host->tpu copy", "host memcpy")}
+
+        def timed(name, fn, i):
+            dist.barrier(group=gloo)
+            start = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+
+        # interleaved per iteration, so that both sides see the same load
+        for i in range(warmup + iters):
+            timed("tpu host-staged", lambda: (dist.all_reduce(t), torch.tpu.synchronize()), i)
+            timed("gloo cpu", lambda: dist.all_reduce(c, group=gloo), i)
+            # the staging's parts, for the breakdown (host holds t's values)
+            timed("tpu->host copy", lambda: host.copy_(t), i)
+            timed("host->tpu copy", lambda: (t.copy_(host), torch.tpu.synchronize()), i)
+            timed("host memcpy", lambda: host.copy_(c), i)
+        timings = {k: statistics.median(v) for k, v in times.items()}
+        # the values are still right after warmup + iters sums of ones
+        expect = float(world ** (warmup + iters))
+        assert t[:4].cpu().tolist() == [expect] * 4 and c[:4].tolist() == [expect] * 4 or n == 0
         rows.append({"mb": mb, **timings})
     ddp_ms = _ddp_step_ms(iters, warmup + 1)
     dist.destroy_process_group()
@@ -132,6 +144,15 @@ def main() -> int:
         print(f"| {r['mb']:g} MB | {r['tpu host-staged'] * 1e3:.2f} | {r['gloo cpu'] * 1e3:.2f} | "
               f"{bw['tpu host-staged']:.2f} | {bw['gloo cpu']:.2f} | "
               f"{bw['tpu host-staged'] / bw['gloo cpu']:.2f}x |")
+    print()
+    print("where the tpu all_reduce's time goes (median ms; the staged call is a tpu->host copy into a")
+    print("pooled buffer, gloo's all_reduce of it, a host->tpu copy back)")
+    print("| size | tpu->host copy | gloo all_reduce | host->tpu copy | sum | staged call | host memcpy |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        parts = (r["tpu->host copy"], r["gloo cpu"], r["host->tpu copy"])
+        print(f"| {r['mb']:g} MB | " + " | ".join(f"{x * 1e3:.2f}" for x in parts)
+              + f" | {sum(parts) * 1e3:.2f} | {r['tpu host-staged'] * 1e3:.2f} | {r['host memcpy'] * 1e3:.2f} |")
     print()
     print("DDP training step (MLP 256-512-512-10, batch 64 per rank, SGD, strict), median ms")
     print("| ranks | ms per step | ratio to 1 rank |")

@@ -20,6 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 
+# strict mode compiles each op once per shape: expected in a training step,
+# so the example turns off the recompile warning (which would bury the loss
+# table) unless TORCH_TPU_RECOMPILE_WARN is set
+os.environ.setdefault("TORCH_TPU_RECOMPILE_WARN", "0")
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
