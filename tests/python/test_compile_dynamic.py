@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch_tpu
 from torch_tpu import _dynamic
+from torch_tpu._graph import stats as graph_stats
 
 TPU = torch.device("tpu")
 
@@ -185,20 +186,84 @@ def test_bucket_env_rejects_bad_values(monkeypatch):
         _dynamic.bucket(3)
 
 
-def test_training_falls_back_per_shape():
-    """Training graphs (grad needed) are specialized per shape: gradients
-    equal CPU's."""
+class ScaledNorm(nn.Module):
+    """LayerNorm (its eps a float Dynamo passes as a tensor under
+    dynamic=True), then a linear scaled by a Python float argument."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.ln, self.lin = nn.LayerNorm(dim), nn.Linear(dim, dim)
+
+    def forward(self, x, scale):
+        return self.lin(self.ln(x)) * scale
+
+
+_TRAIN_MODELS = {
+    "layer_norm": lambda: nn.LayerNorm(16),
+    "scaled_norm": ScaledNorm,
+    "encoder_layer": lambda: nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+    "pooled_mlp": lambda: _First(PooledMLP()),
+}
+
+
+class _First(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        return self.m(x)[2]
+
+
+# the encoder layer (~55 s) runs in the full tier
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_FULL) if n == "encoder_layer" else n
+                                  for n in _TRAIN_MODELS])
+def test_training_dynamic_matches_cpu(name):
+    """Training graphs under dynamic=True (AOTAutograd inside Dynamo's
+    tracing context; forward and backward compiled per exact shape): a
+    LayerNorm, a Python float argument that changes every call, a
+    TransformerEncoderLayer; the input needs no grad (layer norm backward
+    with a partial output_mask). Outputs and every gradient equal CPU's;
+    no graph runs op by op."""
     torch.manual_seed(2)
-    mlp = PooledMLP()
-    tpu = copy.deepcopy(mlp).to(TPU)
+    m = _TRAIN_MODELS[name]()
+    tpu = copy.deepcopy(m).to(TPU)
     compiled = torch.compile(tpu, backend="tpu", dynamic=True)
-    before = dict(_dynamic.stats)
-    for n in [3, 5]:
+    before, graphs = dict(_dynamic.stats), dict(graph_stats)
+    lengths = [3, 5, 9, 5]
+    for i, n in enumerate(lengths):
         x = torch.randn(2, n, 16)
-        mlp.zero_grad()
+        args = (x, 0.5 + i) if name == "scaled_norm" else (x,)
+        m.zero_grad()
         tpu.zero_grad()
-        mlp(x)[2].sum().backward()
-        compiled(x.to(TPU))[2].sum().backward()
-        for p, q in zip(mlp.parameters(), tpu.parameters()):
-            torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-5)
-    assert _dynamic.stats == before
+        want = m(*args)
+        (want * want).sum().backward()
+        got = compiled(*[a.to(TPU) if isinstance(a, torch.Tensor) else a for a in args])
+        (got * got).sum().backward()
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), rtol=1e-4, atol=1e-5)
+        for (pn, p), q in zip(m.named_parameters(), tpu.parameters()):
+            torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-4, msg=lambda s: f"{pn} at {n}: {s}")
+    assert graph_stats["eager_graphs"] == graphs["eager_graphs"]
+    # a forward and a backward program per distinct length
+    exact = _dynamic.stats["exact_programs"] - before["exact_programs"]
+    assert exact == 2 * len(set(lengths)), exact
+
+
+def test_encoder_layer_fast_path_buckets():
+    """nn.TransformerEncoderLayer's fused fast path (eval, no_grad:
+    aten::_transformer_encoder_layer_fwd, decomposed in the graph) under
+    dynamic=True: one program per bucket, values equal CPU's fast path."""
+    torch.manual_seed(3)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).eval()
+    lengths = [5, 3, 7, 9, 12, 16, 17]
+    compiles, delta = _run(_Tuple(layer), lambda n: torch.randn(2, n, 32), lengths, False, True)
+    assert delta == {"bucket_programs": len(_buckets(lengths)), "exact_programs": 0, "fallback_graphs": 0}, delta
+
+
+class _Tuple(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        return (self.m(x),)
