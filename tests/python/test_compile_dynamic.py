@@ -267,3 +267,37 @@ class _Tuple(nn.Module):
 
     def forward(self, x):
         return (self.m(x),)
+
+
+class SdpaBlock(nn.Module):
+    """The issue-12 reviewer's block: F.layer_norm with a weight (and
+    without a bias), causal scaled_dot_product_attention, a GELU MLP."""
+
+    def __init__(self, d=32, h=4):
+        super().__init__()
+        self.h = h
+        self.w1, self.b1 = nn.Parameter(torch.randn(d) * 0.1 + 1), nn.Parameter(torch.randn(d) * 0.1)
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.w2 = nn.Parameter(torch.randn(d) * 0.1 + 1)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(F.layer_norm(x, (d,), self.w1, self.b1)).chunk(3, -1)
+        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        return (x + self.fc2(F.gelu(self.fc1(F.layer_norm(x, (d,), self.w2)))),)
+
+
+def test_sdpa_block_38_lengths_one_compile_per_bucket():
+    """Issue 12's report (45 compiles at 38 lengths): under no_grad no node
+    is declined; the graph compiles once per bucket (8, 16, 32, 64) plus
+    Dynamo's graph of length 1. (Compiles counted inside the compiled
+    calls: reading a narrowed output with .cpu() compiles a per-shape copy
+    in eager mode.)"""
+    torch.manual_seed(4)
+    lengths = list(range(1, 39))
+    compiles, delta = _run(SdpaBlock().eval(), lambda n: torch.randn(2, n, 32), lengths, False, True)
+    assert delta == {"bucket_programs": len(_buckets(lengths)) + 1, "exact_programs": 0, "fallback_graphs": 0}
+    assert compiles == len(_buckets(lengths)) + 1, compiles
