@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 import warnings
 from typing import Any, Callable
@@ -287,9 +288,118 @@ def _mutation_donations(gm: torch.fx.GraphModule) -> list:
     return pairs
 
 
+def _is_collective(node: torch.fx.Node) -> bool:
+    """A functional collective or its wait (torch.ops._c10d_functional.*:
+    all_reduce, all_gather_into_tensor, reduce_scatter_tensor, wait_tensor,
+    ...), or an item of one's result."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        src = node.args[0]
+        return isinstance(src, torch.fx.Node) and _is_collective(src)
+    return isinstance(node.target, torch._ops.OpOverload) and \
+        node.target.namespace in ("_c10d_functional", "c10d_functional")
+
+
+class _Split:
+    """An ATen graph holding functional collectives, split at each of them:
+    the runs of nodes between collectives are compiled programs
+    (``_Program``), each collective and wait runs eagerly between them
+    (on tpu tensors: the tpu_dist process group, host-staged), in the
+    graph's order, so every rank issues the same collectives in the same
+    order as the graph does (no deadlock, no CPU fallback). Called with
+    the boxed argument list; returns the graph's outputs."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, name: str, kind: str):
+        self.steps: list = []  # ("program", program, input nodes, output nodes) | ("eager", node)
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.output = next(n for n in gm.graph.nodes if n.op == "output")
+        self.programs = 0
+        later_uses: dict = {}
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        for n in gm.graph.nodes:
+            later_uses[n] = max((order[u] for u in n.users), default=-1)
+        run: list = []
+
+        def flush():
+            if not run:
+                return
+            inside = set(run)
+            inputs, seen = [], set()
+            for n in run:
+                for a in n.all_input_nodes:
+                    if a not in inside and a not in seen:
+                        seen.add(a)
+                        inputs.append(a)
+            last = order[run[-1]]
+            outputs = [n for n in run if later_uses[n] > last and not isinstance(n.meta.get("val"), (list, tuple))]
+            if any(later_uses[n] > last and isinstance(n.meta.get("val"), (list, tuple)) for n in run):
+                raise GraphLoweringError(f"{name}: a multi-output node is used past a collective")
+            g = torch.fx.Graph()
+            env = {}
+            for a in inputs:
+                env[a] = g.placeholder(a.name)
+                env[a].meta = dict(a.meta)
+            for n in run:
+                env[n] = g.node_copy(n, lambda x: env[x])
+            g.output(tuple(env[n] for n in outputs))
+            sub = torch.fx.GraphModule(gm, g)
+            program = _Program(normalize(sub), [a.meta.get("val") for a in inputs],
+                               f"{name}_part{len(self.steps)}")
+            program.compile()
+            self.programs += 1
+            self.steps.append(("program", program, inputs, outputs))
+            run.clear()
+
+        for n in gm.graph.nodes:
+            if n.op in ("placeholder", "output"):
+                continue
+            if n.op == "call_function" and _is_collective(n):
+                flush()
+                self.steps.append(("eager", n))
+            elif n.op == "call_function":
+                run.append(n)
+            else:
+                raise GraphLoweringError(f"node {n.format_node()}: {n.op} is not supported")
+        flush()
+
+    def __call__(self, args: list):
+        env = dict(zip(self.placeholders, args))
+        args.clear()
+        for step in self.steps:
+            if step[0] == "eager":
+                node = step[1]
+                a = torch.fx.node.map_arg(node.args, lambda x: env[x])
+                kw = torch.fx.node.map_arg(node.kwargs, lambda x: env[x])
+                env[node] = node.target(*a, **kw)
+            else:
+                _, program, inputs, outputs = step
+                outs = program([env[a] for a in inputs])
+                env.update(zip(outputs, outs))
+        results = self.output.args[0]
+        return list(torch.fx.node.map_arg(results if isinstance(results, (list, tuple)) else (results,),
+                                          lambda x: env[x]))
+
+
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, donations=()) -> Callable:
     _graph_counter[0] += 1
     name = f"{kind}{_graph_counter[0]}"
+    if any(_is_collective(n) for n in gm.graph.nodes):
+        try:
+            split = _Split(gm, example_inputs, name, kind)
+            stats["programs"] += split.programs
+
+            def run(args: list):
+                return split(args)
+
+            run._boxed_call = True
+            run.split = split
+            return run
+        except GraphLoweringError as e:
+            reason = str(e)
+        except RuntimeError as e:
+            reason = f"compile failed: {str(e).splitlines()[0]}"
+        return _fall_back(gm, name, kind, reason)
     try:
         program = _Program(normalize(gm), example_inputs, name, donations)
         program.compile()
@@ -299,6 +409,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, donation
         reason = str(e)
     except RuntimeError as e:  # a compile error of the module: a lowering bug
         reason = f"compile failed: {str(e).splitlines()[0]}"
+    return _fall_back(gm, name, kind, reason)
+
+
+def _fall_back(gm: torch.fx.GraphModule, name: str, kind: str, reason: str) -> Callable:
     if os.environ.get("TORCH_TPU_COMPILE_DEBUG", "0") not in ("", "0"):
         print(f"[torch_tpu] {name} runs eagerly: {reason}\n{gm.graph}")
     stats["eager_graphs"] += 1
