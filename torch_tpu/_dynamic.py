@@ -43,8 +43,9 @@ node (``TORCH_TPU_COMPILE_DEBUG=1`` prints it; logger
 ``torch_tpu.dynamic``).
 
 Only inference graphs are bucketed (``torch.no_grad``, ``inference_mode``
-or parameters without grad); training graphs keep per-shape specialization
-(``torch_tpu._dynamo._Specializing``). Memory: each padded dim is less than
+or parameters without grad); a training graph's forward and backward are
+``Bucketed`` per exact shape (``compile_symbolic``: AOTAutograd inside
+Dynamo's tracing context, so Python float inputs trace). Memory: each padded dim is less than
 2x its real size (the attention scores of a padded sequence less than 4x).
 ``TORCH_TPU_DYNAMIC=0`` turns bucketing off (per-shape specialization).
 

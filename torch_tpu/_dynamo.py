@@ -12,8 +12,10 @@ lowering that declines its arguments, a non-ATen callable) runs its FX graph
 eagerly on tpu instead, with one warning naming the node. Graphs with
 symbolic shapes (``dynamic=True``, ``mark_dynamic``, or Dynamo marking a
 dimension dynamic after a recompile on a new shape): inference graphs are
-compiled once per size bucket (``torch_tpu._dynamic``); training graphs are
-specialized per concrete input shape at run time.
+compiled once per size bucket (``torch_tpu._dynamic``); training graphs'
+forward and backward per exact shape at run time. A graph holding
+functional collectives is split at each of them (``_Split``): programs
+between them, the collectives run eagerly (tpu_dist) in graph order.
 
 Registered through the ``torch_dynamo_backends`` entry point (so no import
 is needed before ``torch.compile``); ``register()`` registers it by hand
