@@ -301,3 +301,24 @@ def test_sdpa_block_38_lengths_one_compile_per_bucket():
     compiles, delta = _run(SdpaBlock().eval(), lambda n: torch.randn(2, n, 32), lengths, False, True)
     assert delta == {"bucket_programs": len(_buckets(lengths)) + 1, "exact_programs": 0, "fallback_graphs": 0}
     assert compiles == len(_buckets(lengths)) + 1, compiles
+
+
+def test_float_argument_is_an_input_not_a_constant():
+    """A Python float argument under dynamic=True (Dynamo passes it as a
+    0-d float64 tensor) is a program input: new values at lengths of one
+    bucket reuse the bucket's program and give CPU's values."""
+    torch.manual_seed(5)
+    lin = nn.Linear(8, 8)
+    lin_t = copy.deepcopy(lin).to(TPU)
+
+    def f(layer, x, scale):
+        return layer(x) * scale + scale
+
+    compiled = torch.compile(lambda x, scale: f(lin_t, x, scale), backend="tpu", dynamic=True)
+    before, graphs = dict(_dynamic.stats), dict(graph_stats)
+    with torch.no_grad():
+        for n, scale in [(3, 0.5), (5, -2.25), (7, 3.0), (6, 0.5)]:
+            x = torch.randn(2, n, 8)
+            torch.testing.assert_close(compiled(x.to(TPU), scale).cpu(), f(lin, x, scale), rtol=1e-5, atol=1e-6)
+    assert _dynamic.stats["bucket_programs"] - before["bucket_programs"] == 1  # bucket 8
+    assert graph_stats["eager_graphs"] == graphs["eager_graphs"]
