@@ -34,7 +34,7 @@ import math
 import operator
 import os
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
