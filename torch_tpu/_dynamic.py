@@ -43,8 +43,9 @@ node (``TORCH_TPU_COMPILE_DEBUG=1`` prints it; logger
 ``torch_tpu.dynamic``).
 
 Only inference graphs are bucketed (``torch.no_grad``, ``inference_mode``
-or parameters without grad); training graphs keep per-shape specialization
-(``torch_tpu._dynamo._Specializing``). Memory: each padded dim is less than
+or parameters without grad); a training graph's forward and backward are
+``Bucketed`` per exact shape (``compile_symbolic``: AOTAutograd inside
+Dynamo's tracing context, so Python float inputs trace). Memory: each padded dim is less than
 2x its real size (the attention scores of a padded sequence less than 4x).
 ``TORCH_TPU_DYNAMIC=0`` turns bucketing off (per-shape specialization).
 
@@ -56,15 +57,16 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import warnings
 from typing import Any, Callable
 
 import sympy
 import torch
 
-from ._graph import _Program
+from ._graph import GraphLoweringError, _Program
 from ._graph import stats as graph_stats
 
-__all__ = ["enabled", "bucket", "compile_inference", "Bucketed", "stats"]
+__all__ = ["enabled", "bucket", "compile_symbolic", "Bucketed", "stats"]
 
 log = logging.getLogger("torch_tpu.dynamic")
 aten = torch.ops.aten
@@ -109,6 +111,15 @@ def bucket(n: int) -> int:
 
 class _Reject(Exception):
     """The graph cannot be bucketed (message names the node)."""
+
+
+_warned: set = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
 
 
 def _debug(message: str) -> None:
@@ -724,28 +735,47 @@ def _pad(t: torch.Tensor, shape: list) -> torch.Tensor:
 
 
 class Bucketed:
-    """A symbolic ATen inference graph served per size bucket (or per
-    exact size where the analysis rejected it). Called with AOTAutograd's
-    boxed argument list (SymInt placeholders receive ints)."""
+    """A symbolic ATen graph (AOTAutograd's inference, forward or backward
+    graph) served per size bucket, or per exact size where the analysis
+    rejected it, bucketing is off, or the graph is a training one. Called
+    with AOTAutograd's boxed argument list (SymInt placeholders receive
+    ints). A graph with a symbolic float or bool input, or one the lowering
+    cannot take as one program, runs op by op (its FX graph on the real
+    arguments) with one warning naming the reason."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs):
-        self.gm = gm
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, kind: str = "inference",
+                 bucketing: bool = True):
+        from ._dynamo import normalize
+
+        self.gm = gm = normalize(gm)
+        self.kind = kind
         self.programs: dict = {}
+        self.eager = None  # the reason the graph runs op by op
         _counter[0] += 1
         self.name = f"dynamic{_counter[0]}"
-        try:
-            self.plan = _analyze(gm)
-            self.reason = None
-        except _Reject as e:
-            self.reason = str(e)
-            self.plan = None
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" and isinstance(_val(node), (torch.SymFloat, torch.SymBool)):
+                self._run_eagerly(f"input {node.name} is a symbolic {type(_val(node)).__name__}")
+                return
+        self.plan, self.reason = None, "bucketing is off" if not bucketing else None
+        if bucketing:
+            try:
+                self.plan = _analyze(gm)
+            except _Reject as e:
+                self.reason = str(e)
+                stats["fallback_graphs"] += 1
+                _debug(f"{self.name} ({kind}): compiled per shape, not per bucket: {self.reason}")
         if self.plan is None:
-            stats["fallback_graphs"] += 1
-            _debug(f"{self.name}: compiled per shape, not per bucket: {self.reason}")
             try:
                 self.plan = _bindings_only(gm)
             except _Reject as e:
                 raise RuntimeError(f"torch_tpu: symbolic graph {self.name}: {e}") from None
+
+    def _run_eagerly(self, reason: str) -> None:
+        self.eager = reason
+        graph_stats["eager_graphs"] += 1
+        _debug(f"{self.name} ({self.kind}) runs op by op: {reason}")
+        _warn_once(reason, f"torch_tpu: a {self.kind} graph runs op by op on tpu instead of as one program ({reason})")
 
     def _sizes(self, args) -> dict:
         sizes = {}
@@ -758,7 +788,7 @@ class Bucketed:
         gm, positions, output_plan, fakes = _concretize(self.gm, self.plan, sizes, masked, args)
         kind = "b" if masked else "x"
         program = _Program(gm, fakes, f"{self.name}_{kind}" + "_".join(str(v) for v in sizes.values()))
-        program.compile()
+        program.compile()  # GraphLoweringError, RuntimeError: see __call__
         graph_stats["programs"] += 1
         stats["bucket_programs" if masked else "exact_programs"] += 1
         subs = {s: sympy.Integer(v) for s, v in sizes.items()}
@@ -770,13 +800,23 @@ class Bucketed:
         args = list(args) if not isinstance(args, list) else args
         call = list(args)
         args.clear()
+        if self.eager is not None:
+            return list(self.gm(*call))
         real = self._sizes(call)
         masked = self.reason is None
         sizes = {s: bucket(n) for s, n in real.items()} if masked else real
         key = tuple(sizes.values())  # symbols in a fixed order (plan.symbols)
         entry = self.programs.get(key)
         if entry is None:
-            entry = self.programs[key] = self._build(sizes, masked, call)
+            try:
+                entry = self._build(sizes, masked, call)
+            except GraphLoweringError as e:
+                self._run_eagerly(str(e))
+            except RuntimeError as e:  # a compile error of the module: a lowering bug
+                self._run_eagerly(f"compile failed: {str(e).splitlines()[0]}")
+            if self.eager is not None:
+                return list(self.gm(*call))
+            self.programs[key] = entry
         program, positions, output_plan, shapes = entry
         inputs = [_pad(call[i], shape) if masked else call[i] for i, shape in zip(positions, shapes)]
         if masked:
@@ -840,21 +880,23 @@ def _boxed(fn: Callable) -> Callable:
     return run
 
 
-def compile_inference(gm: torch.fx.GraphModule, example_inputs, decompositions: dict,
-                      fw_compiler: Callable, bw_compiler: Callable) -> Callable:
-    """AOTAutograd over a symbolic Dynamo graph, its inference graph served
-    per size bucket (``Bucketed``); a training graph (where AOTAutograd
-    finds one) goes to `fw_compiler`/`bw_compiler`."""
+def compile_symbolic(gm: torch.fx.GraphModule, example_inputs, decompositions: dict) -> Callable:
+    """AOTAutograd over a symbolic Dynamo graph, inside Dynamo's tracing
+    context (its fake mode and ShapeEnv: a Python float input Dynamo
+    passes as a 0-d tensor is traced the way Dynamo expects), each ATen
+    graph served by ``Bucketed``: the inference graph per size bucket
+    (per exact size with TORCH_TPU_DYNAMIC=0), the forward and backward
+    graphs of training per exact size."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    def inference(agm, inputs):
-        return _boxed(Bucketed(agm, inputs))
+    bucketing = enabled()
 
-    return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                                 inference_compiler=inference, decompositions=decompositions)
+    def compiler(kind: str, bucketed: bool):
+        def compile(agm, inputs):
+            return _boxed(Bucketed(agm, inputs, kind, bucketed))
+        return compile
 
-
-def needs_grad(example_inputs) -> bool:
-    """Whether AOTAutograd would build a training graph for these inputs."""
-    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                           for x in example_inputs)
+    return aot_module_simplified(gm, example_inputs, fw_compiler=compiler("forward", False),
+                                 bw_compiler=compiler("backward", False),
+                                 inference_compiler=compiler("inference", bucketing),
+                                 decompositions=decompositions)

@@ -12,8 +12,10 @@ lowering that declines its arguments, a non-ATen callable) runs its FX graph
 eagerly on tpu instead, with one warning naming the node. Graphs with
 symbolic shapes (``dynamic=True``, ``mark_dynamic``, or Dynamo marking a
 dimension dynamic after a recompile on a new shape): inference graphs are
-compiled once per size bucket (``torch_tpu._dynamic``); training graphs are
-specialized per concrete input shape at run time.
+compiled once per size bucket (``torch_tpu._dynamic``); training graphs'
+forward and backward per exact shape at run time. A graph holding
+functional collectives is split at each of them (``_Split``): programs
+between them, the collectives run eagerly (tpu_dist) in graph order.
 
 Registered through the ``torch_dynamo_backends`` entry point (so no import
 is needed before ``torch.compile``); ``register()`` registers it by hand
@@ -28,9 +30,11 @@ neither of those imports this one.
 from __future__ import annotations
 
 import functools
+import math
+import operator
 import os
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -74,7 +78,160 @@ def _decompositions() -> dict:
     # output with torch.empty and the backend copy_s into it): its contents
     # are unspecified, so zeros are a valid value and lower as one constant.
     table[aten.empty.memory_format] = _empty_as_zeros
+    # PyTorch's fused transformer fast path (nn.TransformerEncoderLayer /
+    # nn.MultiheadAttention in eval mode under no_grad) has CPU/CUDA
+    # kernels only (eager tpu runs csrc/aten/transformer_kernels.cpp): in a
+    # graph, its composite, so it is part of the one program.
+    table[aten._transformer_encoder_layer_fwd.default] = _transformer_encoder_layer_fwd
+    table[aten._native_multi_head_attention.default] = _native_multi_head_attention
+    table[aten._transform_bias_rescale_qkv.default] = _transform_bias_rescale_qkv
+    table[aten._masked_softmax.default] = _masked_softmax
     return table
+
+
+# The fast path's ops as the ATen ops they are built from, step by step as
+# PyTorch's CPU kernels (aten/src/ATen/native/transformers/transformer.cpp,
+# attention.cpp; aten/src/ATen/native/SoftMax.cpp) and the eager tpu
+# kernels (csrc/aten/transformer_kernels.cpp). Shapes: src/query [B, T, D],
+# qkv_weight [3D, D], heads nh with D % nh == 0. Nested tensors never reach
+# a graph (their fake kernels raise).
+
+def _transform_bias_rescale_qkv(qkv, qkv_bias, num_heads):
+    """qkv [B, T, 3D] + bias -> q/sqrt(D/nh), k, v, each [B, nh, T, D/nh]."""
+    b, t, three_d = qkv.shape
+    d = three_d // 3
+    torch._check(num_heads > 0 and d % num_heads == 0,
+                 lambda: f"_transform_bias_rescale_qkv: D ({d}) must divide evenly by num_head ({num_heads})")
+    dh = d // num_heads
+    x = (qkv + qkv_bias).view(b, t, 3, num_heads, dh).permute(2, 0, 3, 1, 4)
+    return (x[0] * (1.0 / math.sqrt(dh))).contiguous(), x[1].contiguous(), x[2].contiguous()
+
+
+def _masked_softmax(x, mask, dim=None, mask_type=None):
+    """softmax over `dim` (last by default) with mask's True entries at
+    -inf; mask_type 0: mask [L, S], 1: key padding [B, S] of x [B, H, L, S],
+    2 or None: x's shape. A fully masked row is NaN, as on CPU."""
+    torch._check(mask.dtype == torch.bool, lambda: "Mask should be a boolean tensor")
+    dim = x.dim() - 1 if dim is None else dim
+    if mask_type == 1:
+        mask = mask.view(x.shape[0], 1, 1, x.shape[3])
+    mask = mask.expand(x.shape)
+    reduced = x.dtype in (torch.float16, torch.bfloat16)
+    y = x.float() if reduced else x
+    out = torch.softmax(y.masked_fill(mask, float("-inf")), dim)
+    return out.to(x.dtype) if reduced else out
+
+
+def _native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight,
+                                 proj_bias, mask=None, need_weights=True, average_attn_weights=True,
+                                 mask_type=None):
+    """-> (out [B, T, D], attention weights [B, (nh,) T, S] or None)."""
+    d = embed_dim
+    if query is key and key is value:
+        qkv = torch.matmul(query, qkv_weight.t())
+    elif key is value:
+        w_q, w_kv = qkv_weight.split([d, 2 * d], 0)
+        qkv = torch.cat([torch.matmul(query, w_q.t()), torch.matmul(key, w_kv.t())], 2)
+    else:
+        w_q, w_k, w_v = qkv_weight.chunk(3, 0)
+        qkv = torch.cat([torch.matmul(query, w_q.t()), torch.matmul(key, w_k.t()),
+                         torch.matmul(value, w_v.t())], 2)
+    q, k, v = torch.ops.aten._transform_bias_rescale_qkv(qkv, qkv_bias, num_head)
+    b, h, t, dh = q.shape
+    scores = torch.matmul(q, k.transpose(-2, -1))
+    if mask is not None:
+        mask = mask if mask.dtype == torch.bool else mask.to(torch.bool)
+        scores = torch.ops.aten._masked_softmax(scores, mask, scores.dim() - 1, mask_type)
+    else:
+        scores = torch.softmax(scores, -1)
+    merged = torch.matmul(scores, v).permute(0, 2, 1, 3).reshape(b, t, h * dh)
+    out = torch.nn.functional.linear(merged, proj_weight, proj_bias)
+    weights = None
+    if need_weights:
+        weights = scores.sum(1) / num_head if average_attn_weights else scores
+    return out, weights
+
+
+def _transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias,
+                                   use_gelu, norm_first, eps, norm_weight_1, norm_bias_1, norm_weight_2,
+                                   norm_bias_2, ffn_weight_1, ffn_bias_1, ffn_weight_2, ffn_bias_2, mask=None,
+                                   mask_type=None):
+    """(norm_first) x + MHA(LN1(x)), then + FFN(LN2(.)), else LN1(x +
+    MHA(x)), then LN2(. + FFN(.)); FFN = W2 act(W1 x + b1) + b2, act = gelu
+    (use_gelu) or relu. -> [B, T, D]."""
+    F = torch.nn.functional
+
+    def norm(x, w, b):
+        return F.layer_norm(x, (embed_dim,), w, b, eps)
+
+    x = norm(src, norm_weight_1, norm_bias_1) if norm_first else src
+    x = torch.ops.aten._native_multi_head_attention(x, x, x, embed_dim, num_heads, qkv_weight, qkv_bias,
+                                                    proj_weight, proj_bias, mask, False, True, mask_type)[0]
+    x = x + src
+    if not norm_first:
+        x = norm(x, norm_weight_1, norm_bias_1)
+    pre_ffn = x
+    if norm_first:
+        x = norm(x, norm_weight_2, norm_bias_2)
+    h = F.linear(x, ffn_weight_1, ffn_bias_1)
+    h = F.gelu(h) if use_gelu else F.relu(h)
+    x = F.linear(h, ffn_weight_2, ffn_bias_2) + pre_ffn
+    if not norm_first:
+        x = norm(x, norm_weight_2, norm_bias_2)
+    return x
+
+
+# Backward ops whose lowering needs every return defined: op -> (index of
+# output_mask, the argument each return is shaped like).
+_FULL_MASK = {
+    torch.ops.aten.native_layer_norm_backward.default: (7, (1, 5, 6)),
+    torch.ops.aten.native_batch_norm_backward.default: (9, (1, 2, 2)),
+}
+
+
+def normalize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Rewrites an AOTAutograd ATen graph, in place, into ops the lowering
+    takes, with the same values:
+
+    - ``prims.convert_element_type(x, dtype)`` (how Dynamo's Python float
+      inputs, passed as 0-d float64 tensors, reach the graph:
+      torch/fx/passes/_tensorify_python_scalars.py) -> ``aten._to_copy(x,
+      dtype=dtype)``, the same cast;
+    - a layer/batch norm backward whose ``output_mask`` leaves a return
+      undefined (its input or weight needs no grad) computes that return
+      too, unused (the lowering returns every output); a return whose
+      argument is None (no weight) stays undefined.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.prims.convert_element_type.default:
+            node.target = torch.ops.aten._to_copy.default
+            node.kwargs = {"dtype": node.args[1]}
+            node.args = (node.args[0],)
+        elif node.target in _FULL_MASK:
+            at, like = _FULL_MASK[node.target]
+            mask = list(node.args[at]) if len(node.args) > at else None
+            val = node.meta.get("val")
+            if mask is None or all(mask) or not isinstance(val, (list, tuple)):
+                continue
+            vals = list(val)
+            for i, m in enumerate(mask):
+                ref = node.args[like[i]]
+                ref_val = ref.meta.get("val") if isinstance(ref, torch.fx.Node) else None
+                if m or not isinstance(ref_val, FakeTensor) or vals[i] is not None:
+                    continue
+                with ref_val.fake_mode:
+                    vals[i] = torch.empty_like(ref_val, memory_format=torch.contiguous_format)
+                mask[i] = True
+            args = list(node.args)
+            args[at] = mask
+            node.args = tuple(args)
+            node.meta["val"] = type(val)(vals)
+    gm.recompile()
+    return gm
 
 
 def _empty_as_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None,
@@ -133,11 +290,120 @@ def _mutation_donations(gm: torch.fx.GraphModule) -> list:
     return pairs
 
 
+def _is_collective(node: torch.fx.Node) -> bool:
+    """A functional collective or its wait (torch.ops._c10d_functional.*:
+    all_reduce, all_gather_into_tensor, reduce_scatter_tensor, wait_tensor,
+    ...), or an item of one's result."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        src = node.args[0]
+        return isinstance(src, torch.fx.Node) and _is_collective(src)
+    return isinstance(node.target, torch._ops.OpOverload) and \
+        node.target.namespace in ("_c10d_functional", "c10d_functional")
+
+
+class _Split:
+    """An ATen graph holding functional collectives, split at each of them:
+    the runs of nodes between collectives are compiled programs
+    (``_Program``), each collective and wait runs eagerly between them
+    (on tpu tensors: the tpu_dist process group, host-staged), in the
+    graph's order, so every rank issues the same collectives in the same
+    order as the graph does (no deadlock, no CPU fallback). Called with
+    the boxed argument list; returns the graph's outputs."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, name: str, kind: str):
+        self.steps: list = []  # ("program", program, input nodes, output nodes) | ("eager", node)
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.output = next(n for n in gm.graph.nodes if n.op == "output")
+        self.programs = 0
+        later_uses: dict = {}
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        for n in gm.graph.nodes:
+            later_uses[n] = max((order[u] for u in n.users), default=-1)
+        run: list = []
+
+        def flush():
+            if not run:
+                return
+            inside = set(run)
+            inputs, seen = [], set()
+            for n in run:
+                for a in n.all_input_nodes:
+                    if a not in inside and a not in seen:
+                        seen.add(a)
+                        inputs.append(a)
+            last = order[run[-1]]
+            outputs = [n for n in run if later_uses[n] > last and not isinstance(n.meta.get("val"), (list, tuple))]
+            if any(later_uses[n] > last and isinstance(n.meta.get("val"), (list, tuple)) for n in run):
+                raise GraphLoweringError(f"{name}: a multi-output node is used past a collective")
+            g = torch.fx.Graph()
+            env = {}
+            for a in inputs:
+                env[a] = g.placeholder(a.name)
+                env[a].meta = dict(a.meta)
+            for n in run:
+                env[n] = g.node_copy(n, lambda x: env[x])
+            g.output(tuple(env[n] for n in outputs))
+            sub = torch.fx.GraphModule(gm, g)
+            program = _Program(normalize(sub), [a.meta.get("val") for a in inputs],
+                               f"{name}_part{len(self.steps)}")
+            program.compile()
+            self.programs += 1
+            self.steps.append(("program", program, inputs, outputs))
+            run.clear()
+
+        for n in gm.graph.nodes:
+            if n.op in ("placeholder", "output"):
+                continue
+            if n.op == "call_function" and _is_collective(n):
+                flush()
+                self.steps.append(("eager", n))
+            elif n.op == "call_function":
+                run.append(n)
+            else:
+                raise GraphLoweringError(f"node {n.format_node()}: {n.op} is not supported")
+        flush()
+
+    def __call__(self, args: list):
+        env = dict(zip(self.placeholders, args))
+        args.clear()
+        for step in self.steps:
+            if step[0] == "eager":
+                node = step[1]
+                a = torch.fx.node.map_arg(node.args, lambda x: env[x])
+                kw = torch.fx.node.map_arg(node.kwargs, lambda x: env[x])
+                env[node] = node.target(*a, **kw)
+            else:
+                _, program, inputs, outputs = step
+                outs = program([env[a] for a in inputs])
+                env.update(zip(outputs, outs))
+        results = self.output.args[0]
+        return list(torch.fx.node.map_arg(results if isinstance(results, (list, tuple)) else (results,),
+                                          lambda x: env[x]))
+
+
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, donations=()) -> Callable:
     _graph_counter[0] += 1
     name = f"{kind}{_graph_counter[0]}"
+    if any(_is_collective(n) for n in gm.graph.nodes):
+        try:
+            split = _Split(gm, example_inputs, name, kind)
+            stats["programs"] += split.programs
+
+            def run(args: list):
+                return split(args)
+
+            run._boxed_call = True
+            run.split = split
+            return run
+        except GraphLoweringError as e:
+            reason = str(e)
+        except RuntimeError as e:
+            reason = f"compile failed: {str(e).splitlines()[0]}"
+        return _fall_back(gm, name, kind, reason)
     try:
-        program = _Program(gm, example_inputs, name, donations)
+        program = _Program(normalize(gm), example_inputs, name, donations)
         program.compile()
         stats["programs"] += 1
         return _boxed(program)
@@ -145,6 +411,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, donation
         reason = str(e)
     except RuntimeError as e:  # a compile error of the module: a lowering bug
         reason = f"compile failed: {str(e).splitlines()[0]}"
+    return _fall_back(gm, name, kind, reason)
+
+
+def _fall_back(gm: torch.fx.GraphModule, name: str, kind: str, reason: str) -> Callable:
     if os.environ.get("TORCH_TPU_COMPILE_DEBUG", "0") not in ("", "0"):
         print(f"[torch_tpu] {name} runs eagerly: {reason}\n{gm.graph}")
     stats["eager_graphs"] += 1
@@ -177,63 +447,6 @@ def _aot_backend():
                         inference_compiler=_inference_compiler, decompositions=_decompositions)
 
 
-# --- symbolic shapes --------------------------------------------------------
-
-class _Specializing:
-    """A Dynamo graph with symbolic shapes: one AOT-compiled static program
-    per concrete input signature, built on first use (the integer inputs
-    that carry the symbolic sizes become constants of that graph)."""
-
-    def __init__(self, gm: torch.fx.GraphModule):
-        self.gm = gm
-        self.cache: dict[tuple, Callable] = {}
-
-    @staticmethod
-    def _key(args) -> tuple:
-        key = [torch.is_grad_enabled()]
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                key.append((a.dtype, tuple(a.shape), a.device, a.requires_grad))
-            else:
-                key.append((type(a), a))
-        return tuple(key)
-
-    def _specialize(self, args) -> Callable:
-        from torch._functorch.aot_autograd import aot_module_simplified
-
-        graph = torch.fx.Graph()
-        env: dict[torch.fx.Node, Any] = {}
-        tensor_positions = []
-        index = 0
-        for node in self.gm.graph.nodes:
-            if node.op == "placeholder":
-                a = args[index]
-                if not isinstance(a, torch.Tensor):
-                    env[node] = a  # a concrete size: a constant of this graph
-                    index += 1
-                    continue
-                tensor_positions.append(index)
-                index += 1
-            env[node] = graph.node_copy(node, lambda n: env[n])
-        gm = torch.fx.GraphModule(self.gm, graph)
-        tensors = [args[i] for i in tensor_positions]
-        compiled = aot_module_simplified(gm, tensors, fw_compiler=_fw_compiler, bw_compiler=_bw_compiler,
-                                         inference_compiler=_inference_compiler,
-                                         decompositions=_decompositions())
-
-        def run(*call_args):
-            return compiled(*[call_args[i] for i in tensor_positions])
-
-        return run
-
-    def __call__(self, *args):
-        key = self._key(args)
-        fn = self.cache.get(key)
-        if fn is None:
-            fn = self.cache[key] = self._specialize(args)
-        return fn(*args)
-
-
 # --- the compile cache (torch_tpu._precompile) ---------------------------------
 
 # One list per backend call being compiled: what its AOT graphs left to save
@@ -246,14 +459,11 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     from . import _C  # noqa: F401  (loads the extension: torch_tpu registers the device)
 
     if any(_is_symbolic(x) for x in example_inputs):
-        from torch._dynamo import disable
-
         from . import _dynamic
 
-        if _dynamic.enabled() and not _dynamic.needs_grad(example_inputs):
-            # Inference: one program per size bucket (torch_tpu._dynamic).
-            return _dynamic.compile_inference(gm, example_inputs, _decompositions(), _fw_compiler, _bw_compiler)
-        return disable(_Specializing(gm), reason="tpu: per-shape specialization")
+        # Symbolic shapes: one program per size bucket (inference) or per
+        # exact shape (training), torch_tpu._dynamic.
+        return _dynamic.compile_symbolic(gm, example_inputs, _decompositions())
     backend_id = getattr(gm, "_backend_id", None)
     if backend_id is None or not torch._dynamo.config.caching_precompile:
         return _aot_backend()(gm, example_inputs, **kwargs)

@@ -482,3 +482,63 @@ def test_constants_casts_and_devices():
     assert y.device.type == "tpu" and y_host.device.type == "cpu"
     torch.testing.assert_close(y.cpu(), want)
     torch.testing.assert_close(y_host, want_host)
+
+
+# --- PyTorch's fused transformer fast path ------------------------------------------
+
+@pytest.mark.parametrize("norm_first,activation,padding", [
+    (False, "relu", False), (True, "gelu", False), (False, "gelu", True)])
+def test_transformer_encoder_layer_fast_path_one_program(norm_first, activation, padding):
+    """nn.TransformerEncoderLayer in eval mode under no_grad calls
+    aten::_transformer_encoder_layer_fwd (a key padding mask: mask_type 1):
+    the graph decomposes it and runs as one program, equal to CPU's fast path."""
+    torch.manual_seed(0)
+    m = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, activation=activation, batch_first=True,
+                                   norm_first=norm_first).eval()
+    f = torch.compile(copy.deepcopy(m).to(TPU), backend="tpu")
+    x = torch.randn(3, 7, 32)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 4:] = True
+    pad[2, 6:] = True
+    kwargs = {"src_key_padding_mask": pad} if padding else {}
+    with torch.no_grad(), no_cpu_fallback():
+        ref = m(x, **kwargs)
+        c = _Counts()
+        out = f(x.to(TPU), **{k: v.to(TPU) for k, v in kwargs.items()})
+        d = c.delta()
+    assert d["programs"] == 1 and d["eager_graphs"] == 0, d
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("need_weights,average,mask_type", [
+    (False, True, None), (True, True, 0), (True, False, 2)])
+def test_native_multi_head_attention_one_program(need_weights, average, mask_type):
+    """aten::_native_multi_head_attention (nn.MultiheadAttention's fast
+    path) called in a graph, with an attention mask [L, S] (mask_type 0) or
+    of the scores' shape (2): one program, output and attention weights
+    equal CPU's kernel."""
+    torch.manual_seed(1)
+    d, nh, b, t = 16, 2, 2, 5
+    x = torch.randn(b, t, d)
+    w_qkv, b_qkv, w_o, b_o = torch.randn(3 * d, d) / 4, torch.randn(3 * d), torch.randn(d, d) / 4, torch.randn(d)
+    mask = None
+    if mask_type == 0:
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+    elif mask_type == 2:
+        mask = torch.rand(b, nh, t, t) > 0.7
+        mask[..., 0] = False  # no fully masked row (NaN on both)
+
+    def fn(x, w_qkv, b_qkv, w_o, b_o, mask):
+        return torch._native_multi_head_attention(x, x, x, d, nh, w_qkv, b_qkv, w_o, b_o, mask,
+                                                  need_weights, average, mask_type)
+
+    args = (x, w_qkv, b_qkv, w_o, b_o, mask)
+    with torch.no_grad(), no_cpu_fallback():
+        ref = fn(*args)
+        c = _Counts()
+        out = torch.compile(fn, backend="tpu")(*[a.to(TPU) if a is not None else None for a in args])
+        d_ = c.delta()
+    assert d_["programs"] == 1 and d_["eager_graphs"] == 0, d_
+    torch.testing.assert_close(out[0].cpu(), ref[0], atol=1e-5, rtol=1e-4)
+    if need_weights:
+        torch.testing.assert_close(out[1].cpu(), ref[1], atol=1e-6, rtol=1e-4)

@@ -777,11 +777,19 @@ def _compiled_funcol_worker(rank, world, args):
         s = funcol.reduce_scatter_tensor(g, "sum", 0, group)
         return s.sum(0) + y
 
+    from torch_tpu import _dynamo as tpu_dynamo
+
     x = torch.arange(8, dtype=torch.float32).reshape(2, 4) + rank
     eager = f(x.to("tpu")).cpu()
     before = torch_tpu.metrics()["cpu_fallbacks"]
-    compiled = torch.compile(f, backend="tpu")(x.to("tpu")).cpu()
+    stats = dict(tpu_dynamo.stats)
+    fn = torch.compile(f, backend="tpu")
+    compiled = fn(x.to("tpu")).cpu()
+    again = fn(x.to("tpu") * 3).cpu()  # the compiled graph again, other values
     return {"equal": torch.equal(eager, compiled), "eager": eager.tolist(),
+            "again_equal": torch.equal(again, f(x.to("tpu") * 3).cpu()),
+            "programs": tpu_dynamo.stats["programs"] - stats["programs"],
+            "eager_graphs": tpu_dynamo.stats["eager_graphs"] - stats["eager_graphs"],
             "fallbacks": {k: v for k, v in torch_tpu.metrics()["cpu_fallbacks"].items() if before.get(k) != v}}
 
 
@@ -789,12 +797,15 @@ def test_compiled_functional_collectives(tmp_path):
     """_c10d_functional all_reduce / all_gather_into_tensor /
     reduce_scatter_tensor inside a torch.compile(backend="tpu") graph: the
     values equal eager mode's (which the collective tests check against
-    gloo), on every rank, with no CPU fallback. (Today such a graph runs op
-    by op on tpu; see docs/distributed.md.)"""
+    gloo), on every rank, with no CPU fallback. The graph is split at each
+    collective: the computation between them runs as compiled programs
+    (x * 2; y + 1; s.sum(0) + y), the collectives eagerly between them;
+    nothing runs op by op."""
     results = run_job(tmp_path, _compiled_funcol_worker)
     for res in results:
-        assert res["equal"], res
+        assert res["equal"] and res["again_equal"], res
         assert res["fallbacks"] == {}, res
+        assert res["eager_graphs"] == 0 and res["programs"] == 3, res
     # on the CPU: y = 2 * sum_r x_r; each rank's reduce_scatter shard of the
     # gathered [y + 1; y + 1] is 2 * (y + 1)
     base = torch.arange(8, dtype=torch.float32).reshape(2, 4)
@@ -802,3 +813,4 @@ def test_compiled_functional_collectives(tmp_path):
     expect = (WORLD * (y + 1)).sum(0) + y
     for res in results:
         assert torch.equal(torch.tensor(res["eager"]), expect), (res["eager"], expect)
+
