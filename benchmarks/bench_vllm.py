@@ -20,6 +20,15 @@ ignored, and reports output tokens per second (wall clock) at 1 request
    shapes (the per-op program caches are then warm).
 3. HF ``generate()`` on CPU, batched the same way.
 
+Load-independent figures (this machine is shared: wall clock moves with
+other people's load, CPU time much less): for the offline engine and HF on
+tpu, the bench process's CPU seconds (``time.process_time``: all its
+threads, the XLA CPU plugin's included) per output token at 16 concurrent,
+and the CPU time of the one program every decode step of 16 requests runs
+in both (the 16-row ``lm_head`` matmul + argmax of the tiny Llama's
+30522-word vocabulary: ``compute_logits`` of vLLM's runner, as a step runs
+it) -- the floor under any step of that batch.
+
 Start-up: time from launching ``vllm serve`` to the first token of a first
 request (max_tokens=1), with an empty TORCH_TPU_CACHE_DIR (cold: every
 program compiles) and again with the same directory (warm: executables come
@@ -52,14 +61,40 @@ def _serve_round(serve_vllm, url, model, prompts, new_tokens):
     t0 = time.perf_counter()
     one = serve_vllm.complete(url, model, prompts[0], new_tokens)
     t1 = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    cpu0 = _tree_cpu()
+    t0, c0 = time.perf_counter(), time.process_time()
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         many = list(pool.map(lambda p: serve_vllm.complete(url, model, p, new_tokens), prompts))
     tn = time.perf_counter() - t0
+    client = time.process_time() - c0
+    cpu1 = _tree_cpu()
+    per = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
+    tokens = len(prompts) * new_tokens
+    print(f"# server, {len(prompts)} concurrent: CPU s per process for {tokens} tokens: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items()))
+          + f", client (this process, {len(prompts)} httpx threads) {client:.2f}; "
+          f"wall {tn:.2f} s", flush=True)
     for r in [one] + many:
         if r["status"] != 200 or len(r["json"]["choices"][0]["token_ids"]) != new_tokens:
             raise RuntimeError(f"request failed: {r}")
     return new_tokens / t1, len(prompts) * new_tokens / tn
+
+
+def _tree_cpu() -> dict:
+    """CPU seconds (user + system) of this process's descendants, by role:
+    the server (vLLM's API server process) and its children (the engine core)."""
+    import psutil
+
+    out: dict = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            t = p.cpu_times()
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        role = "api_server" if "vllm.entrypoints.openai.api_server" in cmd else "engine_core+other"
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    return out
 
 
 def _offline_child(model_dir: str, prompts_json: str, new_tokens: int) -> None:
@@ -77,13 +112,39 @@ def _offline_child(model_dir: str, prompts_json: str, new_tokens: int) -> None:
     rates = []
     for batch in (prompts[:1], prompts):
         llm.generate(batch, sp, use_tqdm=False)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = llm.generate(batch, sp, use_tqdm=False)
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         if any(len(o.outputs[0].token_ids) != new_tokens for o in outs):
             raise RuntimeError("offline generate gave fewer tokens")
         rates.append(len(batch) * new_tokens / dt)
+    rates.append(cpu / (len(prompts) * new_tokens))  # CPU s per token, 16 concurrent
+    rates.append(llm.collective_rpc(_lm_head_cpu, args=(len(prompts),))[0])
     print("RATES " + json.dumps(rates), flush=True)
+
+
+def _lm_head_cpu(worker, rows: int, reps: int = 20) -> float:
+    """On the worker: CPU seconds of the logits program (lm_head + argmax)
+    for ``rows`` requests, as a step runs it (logits left on tpu, the
+    argmax's ids copied back); the median of ``reps``."""
+    import statistics
+
+    import torch
+
+    runner = worker.model_runner
+    h = torch.zeros(rows, runner.model_config.get_hidden_size(), dtype=runner.model_config.dtype)
+    times = []
+    with torch.inference_mode():
+        for _ in range(reps + 2):
+            runner._in_execute_model = True
+            try:
+                c0 = time.process_time()
+                runner.model.compute_logits(h)
+                runner._step_argmax[1].cpu()
+                times.append(time.process_time() - c0)
+            finally:
+                runner._in_execute_model, runner._step_argmax = False, None
+    return statistics.median(times[2:])
 
 
 def _offline_round(model_dir, prompts, new_tokens):
@@ -120,9 +181,10 @@ def _hf_round(model_dir, device, prompts, new_tokens):
     rates = []
     for batch in ([prompts[0]], prompts):
         run(batch)  # untimed: same shapes
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         run(batch)
         rates.append(len(batch) * new_tokens / (time.perf_counter() - t0))
+    rates.append((time.process_time() - c0) / (len(prompts) * new_tokens))
     return tuple(rates)
 
 
@@ -166,12 +228,17 @@ def main() -> None:
 
     base = rows["HF generate() on tpu, batched"]
     n = args.requests
+    lm_head = rows["vLLM on tpu (offline LLM.generate, compiled)"][3]
     print(f"\nprompts of {args.prompt_len} tokens, {args.new_tokens} new tokens each, greedy\n")
     print(f"| configuration | tokens/s, 1 request | tokens/s, {n} concurrent | "
-          f"{n} concurrent vs HF tpu batched |")
-    print("|---|---|---|---|")
-    for name, (one, many) in rows.items():
-        print(f"| {name} | {one:.1f} | {many:.1f} | {many / base[1]:.2f}x |")
+          f"{n} concurrent vs HF tpu batched | CPU ms per {n} output tokens at {n} "
+          f"concurrent (this process's CPU s / token x {n}) |")
+    print("|---|---|---|---|---|")
+    for name, r in rows.items():
+        cpu = f"{r[2] * n * 1e3:.1f}" if len(r) > 2 else "-"
+        print(f"| {name} | {r[0]:.1f} | {r[1]:.1f} | {r[1] / base[1]:.2f}x | {cpu} |")
+    print(f"\nlm_head + argmax program alone, {n} rows: {lm_head * 1e3:.1f} CPU ms "
+          f"(the floor of a decode step of {n}, in vLLM and HF alike)")
     print(f"\n| vllm serve start to first token | cold cache | warm cache | cold / warm |")
     print("|---|---|---|---|")
     print(f"| tiny Llama, {len(_buckets())} buckets | {start['cold']:.1f} s | "

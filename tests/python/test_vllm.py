@@ -8,7 +8,9 @@ Hugging Face ``generate()`` on CPU on the same model directory:
 
 - greedy tokens of 8 prompts of different lengths (batched together, so the
   steps mix prefills of ragged lengths and decodes) equal HF's token for token,
-  on a Llama- and a Qwen3-style model;
+  on a Llama- and a Qwen3-style model; greedy steps take the argmax computed
+  on tpu (the device-to-host bytes are less than the logits'), and a greedy
+  request with logprobs goes through vLLM's host sampler to the same tokens;
 - a prompt sharing a 3-block prefix with an earlier one hits vLLM's prefix cache
   (its own counter) and gives HF's tokens; a long prompt with a small token
   budget goes through chunked prefill and gives HF's tokens;
@@ -67,6 +69,20 @@ def _child(model_dir: str, out_path: str, mode: str) -> None:
                         use_tqdm=False)
     res["prompts"] = prompts
     res["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
+
+    # greedy steps copy back token ids, not [B, vocab] logits (argmax on tpu);
+    # asking for logprobs sends the logits to vLLM's host sampler: same tokens
+    d2h0 = torch_tpu.metrics()["device_to_host_bytes"]
+    o = llm.generate([TokensPrompt(prompt_token_ids=prompts[1])], greedy, use_tqdm=False)
+    d2h1 = torch_tpu.metrics()["device_to_host_bytes"]
+    lp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    o2 = llm.generate([TokensPrompt(prompt_token_ids=prompts[1])], lp, use_tqdm=False)
+    d2h2 = torch_tpu.metrics()["device_to_host_bytes"]
+    res["vocab"] = vocab
+    res["greedy_d2h"] = [d2h1 - d2h0, d2h2 - d2h1]
+    res["greedy_again"] = list(o[0].outputs[0].token_ids)
+    res["logprobs_tokens"] = list(o2[0].outputs[0].token_ids)
+    res["logprobs_n"] = len(o2[0].outputs[0].logprobs or [])
 
     def prefix_hits() -> int:
         m = {x.name: x for x in llm.get_metrics()}
@@ -169,6 +185,14 @@ def test_llm_generate_matches_hf(arch, mode, tmp_path):
     assert len(res["greedy"]) == 8
     for prompt, got in zip(res["prompts"], res["greedy"]):
         assert got == _hf_greedy(model_dir, prompt, 12), f"prompt of {len(prompt)} tokens"
+    # greedy argmax on tpu: 12 steps of one request copy less than one step's
+    # logits row per step would; with logprobs the host sampler gets every row
+    row = 4 * res["vocab"]
+    fast, host = res["greedy_d2h"]
+    assert fast < 12 * row // 2, res["greedy_d2h"]
+    assert host >= 12 * row, res["greedy_d2h"]
+    assert res["greedy_again"] == res["greedy"][1]
+    assert res["logprobs_tokens"] == res["greedy"][1] and res["logprobs_n"] == 12
     # prefix cache: 3 full blocks of 16 shared with the earlier prompt
     assert res["prefix_hits"] >= 48
     assert res["prefix_tokens"] == _hf_greedy(model_dir, res["prefix_prompt"], 12)

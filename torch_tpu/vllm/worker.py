@@ -7,13 +7,18 @@ What runs where (see docs/serving.md):
   paged attention (torch_tpu/vllm/attention.py), and ``compute_logits``;
 * on the host (CPU tensors, as vLLM's CPU runner keeps them): the runner's
   bookkeeping -- input batch, block tables, slot mappings, positions -- and
-  vLLM's sampler over the logits.  Inputs move to ``tpu`` at the model
-  boundary and hidden states/logits come back, one transfer each per step.
+  vLLM's sampler when a step needs more than greedy argmax.  Inputs move to
+  ``tpu`` at the model boundary and the hidden states come back; the logits
+  program also computes each row's argmax, so a step whose requests are all
+  greedy (no logprobs, penalties, bad words, allowed-token masks, logit bias
+  or min-tokens) copies back only the sampled token ids (``[B]`` int64)
+  instead of the ``[B, vocab]`` logits (:meth:`TPUModelRunner._sample`).
 
 The runner is vLLM's ``CPUModelRunner`` (which subclasses ``GPUModelRunner``
-and stubs CUDA streams and events) with three changes: the model is wrapped
+and stubs CUDA streams and events) with four changes: the model is wrapped
 at its boundary, the KV cache is allocated on ``tpu`` in the layout the
-attention backend reads, and block zeroing uses one ``index_fill_`` per layer.
+attention backend reads, block zeroing uses one ``index_fill_`` per layer,
+and greedy sampling reads the argmax computed on ``tpu``.
 """
 
 from __future__ import annotations
@@ -43,6 +48,34 @@ def _to(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(device)
     return x
+
+
+def greedy_on_tpu_ok(md) -> bool:
+    """Whether vLLM's ``Sampler`` would return exactly ``logits.argmax(-1)``
+    for this SamplingMetadata and nothing else (vllm/v1/sample/sampler.py:
+    all-greedy, no logprobs, no penalties / bad words / allowed-token mask /
+    thinking budget, and the logits processors that can change an argmax --
+    vLLM's built-in logit bias and min-tokens -- idle).  Any other
+    processor, or any doubt, is False: the logits go to vLLM's sampler."""
+    from vllm.v1.sample.logits_processor.builtin import (
+        LogitBiasLogitsProcessor,
+        MinTokensLogitsProcessor,
+    )
+
+    if not md.all_greedy or md.max_num_logprobs is not None or md.logprob_token_ids:
+        return False
+    if not md.no_penalties or md.bad_words_token_ids or md.allowed_token_ids_mask is not None:
+        return False
+    holder = getattr(md, "thinking_budget_state_holder", None)
+    if holder is not None and holder.has_tracked_requests():
+        return False
+    for proc in md.logitsprocs.non_argmax_invariant:
+        if type(proc) is LogitBiasLogitsProcessor and not proc.biases:
+            continue
+        if type(proc) is MinTokensLogitsProcessor and not proc.min_toks:
+            continue
+        return False
+    return True
 
 
 def _pad_forward_context(ctx, n: int, padded: int) -> None:
@@ -80,7 +113,11 @@ class TPUModelRunner(CPUModelRunner):
         ``forward`` pads the step's tokens to the next token bucket
         (torch_tpu.vllm.buckets), moves them to tpu, runs the model and
         brings the hidden states of the real tokens back; ``compute_logits``
-        pads its rows to the next batch bucket.  Under
+        pads its rows to the next batch bucket and computes the logits and
+        their row argmax in one program.  Inside :meth:`execute_model` it
+        returns the logits on tpu (``[B, vocab]``, not copied) and keeps the
+        argmax for :meth:`_sample`; elsewhere (prompt logprobs, dummy runs)
+        it returns them on the host.  Under
         ``CompilationMode.STOCK_TORCH_COMPILE`` (the platform's default unless
         ``enforce_eager``) both run through ``torch.compile`` with the backend
         of vLLM's ``CompilationConfig.init_backend`` (``"tpu"``),
@@ -97,7 +134,11 @@ class TPUModelRunner(CPUModelRunner):
                     f"torch_tpu vLLM: a parameter was loaded on {p.device}, not tpu")
         self.token_buckets, self.batch_buckets = buckets.for_config(self.vllm_config)
         forward = model.forward
-        compute_logits = model.compute_logits
+        model_compute_logits = model.compute_logits
+
+        def compute_logits(h, *args, **kwargs):
+            logits = model_compute_logits(h, *args, **kwargs)
+            return logits, logits.argmax(dim=-1)  # vLLM's greedy_sample: first max
         self.tpu_compiled = self.compilation_config.mode == CompilationMode.STOCK_TORCH_COMPILE
         if self.tpu_compiled:
             from vllm.compilation.counter import compilation_counter
@@ -144,11 +185,58 @@ class TPUModelRunner(CPUModelRunner):
             padded = buckets.pad_to(n, batch_buckets)
             h = torch.zeros((padded, *hidden_states.shape[1:]), dtype=hidden_states.dtype)
             h[:n] = hidden_states
-            logits = compute_logits(h.to(TPU), *args, **kwargs)
-            return None if logits is None else logits.cpu()[:n]
+            logits, ids = compute_logits(h.to(TPU), *args, **kwargs)
+            if logits is None:
+                return None
+            if not runner._in_execute_model:
+                return logits.cpu()[:n]
+            logits = logits[:n]
+            runner._step_argmax = (logits, ids, n)
+            return logits
+
+        runner = self
 
         model.forward = forward_on_tpu
         model.compute_logits = compute_logits_on_tpu
+
+    _in_execute_model = False
+    _step_argmax = None  # (tpu logits [n, V], tpu argmax [padded], n) of this step
+
+    def execute_model(self, *args, **kwargs):
+        """vLLM's execute_model; ``compute_logits`` inside it leaves the
+        logits on tpu (see :meth:`load_model`)."""
+        self._in_execute_model, self._step_argmax = True, None
+        try:
+            return super().execute_model(*args, **kwargs)
+        finally:
+            self._in_execute_model = False
+
+    def sample_tokens(self, grammar_output):
+        """vLLM's sample_tokens; a structured-output step first brings the
+        logits to the host (vLLM applies the grammar bitmask there)."""
+        state = self.execute_model_state
+        if grammar_output is not None and state is not None and \
+                isinstance(state.logits, torch.Tensor) and state.logits.device.type == "tpu":
+            self.execute_model_state = state._replace(logits=state.logits.cpu())
+        return super().sample_tokens(grammar_output)
+
+    def _sample(self, logits, spec_decode_metadata):
+        """Greedy steps (:func:`greedy_on_tpu_ok`) take the argmax the logits
+        program computed on tpu: one ``[B]`` int64 copy, returned as vLLM's
+        SamplerOutput (``sampled_token_ids`` ``[B, 1]`` int32, no logprobs).
+        Otherwise the logits come to the host and vLLM's sampler runs."""
+        from vllm.v1.outputs import SamplerOutput
+
+        step, self._step_argmax = self._step_argmax, None
+        if isinstance(logits, torch.Tensor) and logits.device.type == "tpu":
+            if (step is not None and step[0] is logits and spec_decode_metadata is None
+                    and greedy_on_tpu_ok(self.input_batch.sampling_metadata)):
+                self.input_batch.update_async_output_token_ids()  # as vLLM's _sample
+                ids = step[1].cpu()[:step[2]]
+                return SamplerOutput(sampled_token_ids=ids.to(torch.int32).unsqueeze(-1),
+                                     logprobs_tensors=None)
+            logits = logits.cpu()
+        return super()._sample(logits, spec_decode_metadata)
 
     def warm_up_buckets(self) -> dict:
         """Run one dummy step per token bucket (with attention metadata, so the
