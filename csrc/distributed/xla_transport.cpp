@@ -111,6 +111,9 @@ CollectiveProgram BuildCollectiveProgram(const CollectiveSpec& spec) {
                          ") names a replica outside the group");
   }
 
+  if (!spec.devices.empty() && static_cast<int>(spec.devices.size()) != n)
+    throw BuildError(what + ": " + std::to_string(spec.devices.size()) + " devices for " + std::to_string(n) +
+                     " replicas");
   std::vector<int64_t> all(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) all[static_cast<size_t>(i)] = i;
   const Builder::ReplicaGroups groups{all};
@@ -151,6 +154,7 @@ CollectiveProgram BuildCollectiveProgram(const CollectiveSpec& spec) {
   program.module = b.Module();
   program.options.num_replicas = n;
   program.options.num_partitions = 1;
+  program.options.device_assignment = spec.devices;
   program.output = out.type;
   return program;
 }

@@ -59,18 +59,23 @@ struct CollectiveSpec {
   int group_size = 1;
   std::vector<std::pair<int64_t, int64_t>> pairs;  // permute: (source, target) replicas
   int64_t root = 0;                                // broadcast
+  // Replica r runs on the device of id devices[r] (pjrt::Device::id: global
+  // ids on a client that spans processes); empty: the client's default
+  // assignment (replica r on device r).
+  std::vector<int64_t> devices;
   bool operator==(const CollectiveSpec&) const = default;
   std::string ToString() const;  // "all_reduce(sum) f32[4] over 2 replicas"
 };
 
 // The program of a spec: MLIR text of @main(input [, factor]) -> output and
-// the compile options (num_replicas = group size, num_partitions 1).
+// the compile options (num_replicas = group size, num_partitions 1, the
+// spec's device assignment).
 // `num_inputs`: 2 for PREMUL_SUM (the factor, 0-d of the element type), 1
 // otherwise. Throws std::invalid_argument (hlo::BuildError) naming the
 // collective for: group size < 1, AVG/PREMUL_SUM of non-floating types,
 // a dimension 0 not divisible by the group size (reduce_scatter,
 // all_to_all) or rank 0 where a dimension 0 is needed, pairs or root out of
-// range.
+// range, a device list that is not one device per replica.
 struct CollectiveProgram {
   std::string module;
   pjrt::CompileOptions options;

@@ -156,6 +156,12 @@ struct CompileOptions {
   // {"xla_cpu_enable_fast_min_max", "false"}. Values are sent as strings
   // unless they are "true"/"false" (bool) .
   std::vector<std::pair<std::string, std::string>> env_option_overrides;
+  // ExecutableBuildOptionsProto.device_assignment for num_partitions == 1:
+  // replica r runs on the device whose (global) id is device_assignment[r];
+  // its size must equal num_replicas. Empty: the client's default
+  // assignment (replica r on device r). Not written when empty, so the
+  // serialized options of every other program are unchanged.
+  std::vector<int64_t> device_assignment;
   std::string Serialize() const;
 };
 

@@ -364,6 +364,41 @@ TEST_F(XlaTransportTest, BroadcastKeepsNegativeZeroAndNan) {
   EXPECT_EQ(std::memcmp(got, root_values, sizeof got), 0);  // bit-exact
 }
 
+// A group on devices other than the first ones, in any order (what a
+// subgroup or a rank -> device map needs): the compile options' device
+// assignment places replica r on spec.devices[r].
+TEST_F(XlaTransportTest, DeviceAssignmentPlacesReplicas) {
+  const auto& all = client_->addressable_devices();
+  CollectiveSpec spec{CollectiveKind::kPermute, ReduceKind::kSum, ElementType::kS64, {3}, 2, {{0, 1}}};
+  spec.devices = {all[3].id, all[2].id};  // replica 0 on device 3, replica 1 on device 2
+  std::vector<PJRT_Device*> devices = transport_->Devices(spec);
+  ASSERT_EQ(devices.size(), 2u);
+  // the executable runs on exactly devices 2 and 3
+  EXPECT_TRUE((devices[0] == all[3].handle && devices[1] == all[2].handle) ||
+              (devices[0] == all[2].handle && devices[1] == all[3].handle));
+  // Devices() order is Run's order; replica 0 (device 3) sends to replica 1 (device 2)
+  const int64_t on3[3] = {7, -8, 9}, on2[3] = {1, 2, 3};
+  std::vector<std::unique_ptr<Buffer>> owned;
+  std::vector<Buffer*> in;
+  for (PJRT_Device* d : devices) {
+    owned.push_back(client_->BufferFromHost(d == all[3].handle ? on3 : on2, PJRT_Buffer_Type_S64, spec.dims, DeviceOf(d)));
+    in.push_back(owned.back().get());
+  }
+  auto out = transport_->Run(spec, in);
+  for (size_t i = 0; i < devices.size(); ++i) {
+    int64_t got[3];
+    out[i]->ToHost(got, sizeof got);
+    if (devices[i] == all[2].handle) {
+      EXPECT_EQ(std::vector<int64_t>(got, got + 3), std::vector<int64_t>(on3, on3 + 3));
+    } else {
+      EXPECT_EQ(std::vector<int64_t>(got, got + 3), std::vector<int64_t>(3, 0));
+    }
+  }
+  CollectiveSpec bad = spec;
+  bad.devices = {all[0].id};
+  EXPECT_THROW(BuildCollectiveProgram(bad), std::invalid_argument);
+}
+
 TEST_F(XlaTransportTest, ProgramsAreCachedPerSpec) {
   XlaTransport transport(client_);
   CollectiveSpec a{CollectiveKind::kAllReduce, ReduceKind::kSum, ElementType::kF32, {4}, 2};
