@@ -118,12 +118,30 @@ CollectiveProgram BuildCollectiveProgram(const CollectiveSpec& spec) {
   for (int i = 0; i < n; ++i) all[static_cast<size_t>(i)] = i;
   const Builder::ReplicaGroups groups{all};
 
+  const int64_t numel = TensorType{spec.element, spec.dims}.numel();
+  if (spec.input_capacity < 0 || spec.output_capacity < 0 || spec.factor_capacity < 0 ||
+      (spec.input_capacity > 0 && spec.input_capacity < numel))
+    throw BuildError(what + ": input capacity " + std::to_string(spec.input_capacity) + " below its " +
+                     std::to_string(numel) + " elements");
+
   Builder b;
-  const TensorType in_type{spec.element, spec.dims};
-  Value x = b.Parameter(in_type);
+  // A rank-1 buffer of `capacity` elements -> its first numel(dims) as dims.
+  auto from_storage = [&](const Value& v, int64_t capacity, const std::vector<int64_t>& dims) {
+    if (capacity == 0) return v;
+    const int64_t n = TensorType{spec.element, dims}.numel();
+    const int64_t zero = 0, one = 1;
+    Value flat = b.Slice(v, std::span(&zero, 1), std::span(&n, 1), std::span(&one, 1));
+    return b.Reshape(flat, dims);
+  };
+  Value x = b.Parameter(TensorType{spec.element, spec.input_capacity ? std::vector<int64_t>{spec.input_capacity}
+                                                                     : spec.dims});
+  x = from_storage(x, spec.input_capacity, spec.dims);
   CollectiveProgram program;
   if (Reduces(spec.kind) && spec.reduce == ReduceKind::kPremulSum) {
-    Value factor = b.Parameter(TensorType{spec.element, {}});
+    Value factor = b.Parameter(TensorType{spec.element, spec.factor_capacity
+                                                            ? std::vector<int64_t>{spec.factor_capacity}
+                                                            : std::vector<int64_t>{}});
+    factor = from_storage(factor, spec.factor_capacity, {});
     x = b.Mul(x, b.BroadcastInDim(factor, spec.dims, {}));
     program.num_inputs = 2;
   }
@@ -150,6 +168,16 @@ CollectiveProgram BuildCollectiveProgram(const CollectiveSpec& spec) {
   }
   if (Reduces(spec.kind) && spec.reduce == ReduceKind::kAvg)
     out = b.Div(out, b.Constant(out.type, static_cast<double>(n)));
+  if (spec.output_capacity > 0) {
+    const int64_t n = out.type.numel();
+    if (spec.output_capacity < n)
+      throw BuildError(what + ": output capacity " + std::to_string(spec.output_capacity) + " below its " +
+                       std::to_string(n) + " elements");
+    Value flat = b.Reshape(out, std::vector<int64_t>{n});
+    const int64_t lo = 0, hi = spec.output_capacity - n, interior = 0;
+    Value zero = b.Constant(TensorType{spec.element, {}}, 0.0);
+    out = b.Pad(flat, zero, std::span(&lo, 1), std::span(&hi, 1), std::span(&interior, 1));
+  }
   b.Return(std::span(&out, 1));
   program.module = b.Module();
   program.options.num_replicas = n;

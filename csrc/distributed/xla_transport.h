@@ -63,6 +63,15 @@ struct CollectiveSpec {
   // ids on a client that spans processes); empty: the client's default
   // assignment (replica r on device r).
   std::vector<int64_t> devices;
+  // Storage layout (torch_tpu's storages are rank-1 buffers of a capacity
+  // >= their elements, DESIGN.md "Memory model"): when > 0, the input
+  // parameter is rank 1 of input_capacity elements whose first numel(dims)
+  // are the input (row-major), the PREMUL_SUM factor rank 1 of
+  // factor_capacity elements whose first is the factor, and the output is
+  // flattened and zero-padded to output_capacity elements. 0: exact shapes.
+  int64_t input_capacity = 0;
+  int64_t factor_capacity = 0;
+  int64_t output_capacity = 0;
   bool operator==(const CollectiveSpec&) const = default;
   std::string ToString() const;  // "all_reduce(sum) f32[4] over 2 replicas"
 };

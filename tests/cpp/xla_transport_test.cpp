@@ -399,6 +399,59 @@ TEST_F(XlaTransportTest, DeviceAssignmentPlacesReplicas) {
   EXPECT_THROW(BuildCollectiveProgram(bad), std::invalid_argument);
 }
 
+// torch_tpu's storage layout: rank-1 buffers longer than the tensor (the
+// padding holds anything), results padded with zeros to the output's.
+TEST_F(XlaTransportTest, StorageCapacityLayout) {
+  for (ElementType t : {ElementType::kF32, ElementType::kBF16, ElementType::kS64, ElementType::kPred}) {
+    CollectiveSpec spec{CollectiveKind::kAllGather, ReduceKind::kSum, t, {6}, 2};
+    spec.input_capacity = 8;
+    spec.output_capacity = 16;
+    SCOPED_TRACE(spec.ToString());
+    auto in = Inputs(t, 2, 6);
+    std::vector<std::vector<double>> padded = in;
+    for (auto& v : padded) v.insert(v.end(), {1, 1});  // padding: not zeros, must not leak into the result
+    std::vector<PJRT_Device*> devices = transport_->Devices(spec);
+    std::vector<std::unique_ptr<Buffer>> owned;
+    std::vector<Buffer*> bufs;
+    for (size_t r = 0; r < 2; ++r) {
+      auto bytes = Encode(t, padded[r]);
+      const int64_t cap = 8;
+      owned.push_back(client_->BufferFromHost(bytes.data(), PjrtType(t), std::span(&cap, 1), DeviceOf(devices[r])));
+      bufs.push_back(owned.back().get());
+    }
+    auto out = transport_->Run(spec, bufs);
+    std::vector<double> want = in[0];
+    want.insert(want.end(), in[1].begin(), in[1].end());
+    want.insert(want.end(), 4, 0.0);
+    for (auto& b : out) {
+      std::vector<uint8_t> bytes(b->on_device_size_in_bytes());
+      b->ToHost(bytes.data(), bytes.size());
+      EXPECT_EQ(Decode(t, bytes), want);
+    }
+  }
+  // PREMUL_SUM with the factor in a 16-element storage buffer
+  CollectiveSpec spec{CollectiveKind::kAllReduce, ReduceKind::kPremulSum, ElementType::kF32, {3}, 2};
+  spec.input_capacity = 4;
+  spec.factor_capacity = 16;
+  spec.output_capacity = 4;
+  std::vector<PJRT_Device*> devices = transport_->Devices(spec);
+  const float x0[4] = {1, 2, 3, 100}, x1[4] = {4, 5, 6, 100};
+  std::vector<float> f0(16, 7.0f), f1(16, 7.0f);
+  f0[0] = 0.5f;
+  f1[0] = 2.0f;
+  const int64_t four = 4, sixteen = 16;
+  auto a0 = client_->BufferFromHost(x0, PJRT_Buffer_Type_F32, std::span(&four, 1), DeviceOf(devices[0]));
+  auto a1 = client_->BufferFromHost(x1, PJRT_Buffer_Type_F32, std::span(&four, 1), DeviceOf(devices[1]));
+  auto g0 = client_->BufferFromHost(f0.data(), PJRT_Buffer_Type_F32, std::span(&sixteen, 1), DeviceOf(devices[0]));
+  auto g1 = client_->BufferFromHost(f1.data(), PJRT_Buffer_Type_F32, std::span(&sixteen, 1), DeviceOf(devices[1]));
+  Buffer* in[] = {a0.get(), a1.get()};
+  Buffer* fac[] = {g0.get(), g1.get()};
+  auto out = transport_->Run(spec, in, fac);
+  float got[4];
+  out[1]->ToHost(got, sizeof got);
+  EXPECT_EQ(std::vector<float>(got, got + 4), (std::vector<float>{8.5f, 11.0f, 13.5f, 0.0f}));
+}
+
 TEST_F(XlaTransportTest, ProgramsAreCachedPerSpec) {
   XlaTransport transport(client_);
   CollectiveSpec a{CollectiveKind::kAllReduce, ReduceKind::kSum, ElementType::kF32, {4}, 2};
