@@ -7,6 +7,15 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "aten/tpu.h"
+#include "distributed/xla_transport.h"
+#include "lowering/lowering.h"
+#include "runtime/compiled_op.h"
+#include "runtime/disk_cache.h"
+#include "runtime/runtime.h"
+
+#include <chrono>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
@@ -288,6 +297,144 @@ ProcessGroupTPU::ProcessGroupTPU(c10::intrusive_ptr<c10d::Backend> host, int ran
   TORCH_CHECK(host_, "tpu_dist: the host (gloo) backend is missing");
   TORCH_CHECK(host_->getRank() == rank && host_->getSize() == size, "tpu_dist: the host backend is rank ",
               host_->getRank(), " of ", host_->getSize(), ", this group rank ", rank, " of ", size);
+  const char* env = std::getenv("TORCH_TPU_DIST_TRANSPORT");
+  const std::string setting = env ? env : "";
+  TORCH_CHECK(setting.empty() || setting == "host" || setting == "xla",
+              "tpu_dist: TORCH_TPU_DIST_TRANSPORT must be 'host' or 'xla', got '", setting, "'");
+  // Only a client that already exists is asked: a group of cpu tensors
+  // alone must not start the device runtime (unless XLA-native is asked for).
+  if (setting == "xla" || runtime::Runtime::Initialized()) {
+    xla_native_usable_ = XlaTransport::UsableFor(runtime::Runtime::Get().client(), size);
+  }
+  if (setting != "xla") return;
+  runtime::Runtime& rt = runtime::Runtime::Get();
+  pjrt::Client& client = rt.client();
+  TORCH_CHECK(xla_native_usable_ || size == 1, "tpu_dist: TORCH_TPU_DIST_TRANSPORT=xla needs a PJRT client that spans ",
+              "processes; the ", client.platform_name(), " plugin's client has ", client.global_device_count(),
+              " devices, all in this process (a group of ", size, " ranks needs the host-staged transport)");
+  device_index_ = aten::CurrentDevice();
+  const int64_t own_id = rt.device(device_index_).id;
+  if (size == 1) {
+    device_ids_ = {own_id};
+  } else {  // rank r's device id, from every rank (the program's device assignment)
+    at::Tensor mine = at::full({1}, own_id, at::TensorOptions().dtype(at::kLong));
+    std::vector<at::Tensor> in{mine};
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int r = 0; r < size; ++r) out[0].push_back(at::empty({1}, at::TensorOptions().dtype(at::kLong)));
+    host_->allgather(out, in)->wait();
+    for (auto& t : out[0]) device_ids_.push_back(t.item<int64_t>());
+  }
+  // Non-owning: the runtime and its client live as long as the process.
+  std::shared_ptr<pjrt::Client> shared(&client, [](pjrt::Client*) {});
+  xla_ = std::make_shared<XlaTransport>(
+      shared, [](pjrt::Client& c, const std::string& module, const pjrt::CompileOptions& o) {
+        runtime::Runtime& rt = runtime::Runtime::Get();
+        pjrt::CompileOptions options = o;  // the runtime's XLA flags (e.g. NaN-propagating min/max)
+        options.env_option_overrides = rt.compile_options().env_option_overrides;
+        const auto start = std::chrono::steady_clock::now();
+        auto exe = runtime::DiskCache::Get().LoadOrCompile(c, module, options);
+        rt.metrics().compiles++;
+        rt.metrics().compile_time_ns +=
+            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+        return exe;
+      });
+}
+
+// --- XLA-native path ---------------------------------------------------
+
+bool ProcessGroupTPU::UseXla(const std::vector<at::Tensor>& tensors) const {
+  if (!xla_) return false;
+  for (const auto& t : tensors) {
+    if (!OnTpu(t) || t.numel() == 0) return false;
+    TORCH_CHECK(t.device().index() == device_index_, "tpu_dist: a tensor on ", t.device(), ", this rank's device is tpu:",
+                device_index_, " (XLA-native transport: one device per rank, the one current at init)");
+  }
+  return true;
+}
+
+at::Tensor ProcessGroupTPU::RunXla(CollectiveSpec& spec, const at::Tensor& in, at::IntArrayRef out_sizes,
+                                   const at::Tensor& factor, const char* op) {
+  // A dense tensor at offset 0 of its storage: the program reads the
+  // storage buffer's first numel elements.
+  at::Tensor x = in.is_contiguous() && in.storage_offset() == 0 ? in : in.clone(at::MemoryFormat::Contiguous);
+  const hlo::ElementType e = lowering::ToElementType(x.scalar_type());
+  runtime::StorageBuffer sb = runtime::StorageOf(x).Materialize(e);
+  spec.element = e;
+  spec.dims = {x.numel()};
+  spec.group_size = getSize();
+  spec.devices = device_ids_;
+  spec.input_capacity = sb.numel;
+  int64_t out_numel = 1;
+  for (int64_t d : out_sizes) out_numel *= d;
+  spec.output_capacity = runtime::Capacity(out_numel);
+  std::vector<pjrt::Buffer*> factors;
+  runtime::StorageBuffer fb;
+  if (factor.defined()) {
+    fb = runtime::StorageOf(factor).Materialize(e);
+    spec.factor_capacity = fb.numel;
+    factors.push_back(fb.buffer.get());
+  }
+  pjrt::Buffer* inputs[] = {sb.buffer.get()};
+  std::vector<std::unique_ptr<pjrt::Buffer>> outs;
+  try {
+    outs = xla_->Run(spec, inputs, factors);
+  } catch (const std::exception& err) {
+    throw c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                c10::str("tpu_dist ", op, " failed on rank ", getRank(), " (XLA-native transport, ",
+                                         spec.ToString(), "): ", err.what()));
+  }
+  TORCH_CHECK(outs.size() == 1, "tpu_dist ", op, ": the program ran on ", outs.size(),
+              " devices of this process, expected 1");
+  std::shared_ptr<pjrt::Buffer> out(std::move(outs[0]));
+  runtime::Runtime::Get().metrics().executions++;
+  runtime::Runtime::Get().Track(out->ReadyEvent(), std::string("tpu_dist ") + op);
+  return runtime::WrapBuffer({out, e, spec.output_capacity, std::string("tpu_dist ") + op}, out_sizes, x.scalar_type(),
+                             device_index_);
+}
+
+namespace {
+
+bool XlaReduce(const c10d::ReduceOp& op, ReduceKind* kind) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: *kind = ReduceKind::kSum; return true;
+    case c10d::ReduceOp::PRODUCT: *kind = ReduceKind::kProduct; return true;
+    case c10d::ReduceOp::MIN: *kind = ReduceKind::kMin; return true;
+    case c10d::ReduceOp::MAX: *kind = ReduceKind::kMax; return true;
+    case c10d::ReduceOp::AVG: *kind = ReduceKind::kAvg; return true;
+    case c10d::ReduceOp::PREMUL_SUM: *kind = ReduceKind::kPremulSum; return true;
+    default: return false;  // BAND/BOR/BXOR: host-staged
+  }
+}
+
+// PREMUL_SUM's factor as a 0-d tpu tensor of t's dtype (undefined otherwise).
+at::Tensor XlaFactor(const ReduceRewrite& r, const at::Tensor& t) {
+  if (r.factor) return at::full({}, *r.factor, t.options());
+  if (r.tensor_factor.defined()) return r.tensor_factor.reshape({}).to(t.options()).clone();
+  return {};
+}
+
+WorkPtr Done(int rank, OpType type, const char* op, const std::shared_ptr<StagingPool>& pool,
+             std::vector<at::Tensor> outputs) {
+  Staging s{op, pool};
+  s.outputs = std::move(outputs);
+  return Make(rank, type, {}, std::move(s));
+}
+
+}  // namespace
+
+c10::intrusive_ptr<Work> ProcessGroupTPU::XlaAllReduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op,
+                                                       const char* name) {
+  ReduceKind kind;
+  XlaReduce(op, &kind);
+  ReduceRewrite r = Rewrite(op, name, tensors);  // checks AVG/PREMUL_SUM dtypes
+  for (auto& t : tensors) {
+    CollectiveSpec spec;
+    spec.kind = CollectiveKind::kAllReduce;
+    spec.reduce = kind;
+    at::Tensor result = RunXla(spec, t, t.sizes(), XlaFactor(r, t), name);
+    t.copy_(result);
+  }
+  return Done(getRank(), OpType::ALLREDUCE, name, pool_, tensors);
 }
 
 void ProcessGroupTPU::setTimeout(std::chrono::milliseconds timeout) {
@@ -297,6 +444,15 @@ void ProcessGroupTPU::setTimeout(std::chrono::milliseconds timeout) {
 
 c10::intrusive_ptr<Work> ProcessGroupTPU::broadcast(std::vector<at::Tensor>& tensors,
                                                     const c10d::BroadcastOptions& opts) {
+  if (UseXla(tensors)) {
+    for (auto& t : tensors) {
+      CollectiveSpec spec;
+      spec.kind = CollectiveKind::kBroadcast;
+      spec.root = opts.rootRank;
+      t.copy_(RunXla(spec, t, t.sizes(), {}, "broadcast"));
+    }
+    return Done(getRank(), OpType::BROADCAST, "broadcast", pool_, tensors);
+  }
   Staging s{"broadcast", pool_};
   const bool receives = getRank() != static_cast<int>(opts.rootRank);
   std::vector<at::Tensor> host;
@@ -307,6 +463,8 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::broadcast(std::vector<at::Tensor>& ten
 
 c10::intrusive_ptr<Work> ProcessGroupTPU::allreduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::AllreduceOptions& opts) {
+  ReduceKind kind;
+  if (UseXla(tensors) && XlaReduce(opts.reduceOp, &kind)) return XlaAllReduce(tensors, opts.reduceOp, "allreduce");
   Staging s{"allreduce", pool_};
   ReduceRewrite r = Rewrite(opts.reduceOp, s.op, tensors);
   std::vector<at::Tensor> host = StageAllReduced(s, r, tensors, getSize());
@@ -365,6 +523,14 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::allgather(std::vector<std::vector<at::
 
 c10::intrusive_ptr<Work> ProcessGroupTPU::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                           const c10d::AllgatherOptions& opts) {
+  if (UseXla({output, input})) {
+    TORCH_CHECK(output.numel() == input.numel() * getSize(), "tpu_dist _allgather_base: output of ", output.numel(),
+                " elements for ", getSize(), " inputs of ", input.numel());
+    CollectiveSpec spec;
+    spec.kind = CollectiveKind::kAllGather;
+    output.copy_(RunXla(spec, input, output.sizes(), {}, "_allgather_base"));
+    return Done(getRank(), OpType::_ALLGATHER_BASE, "_allgather_base", pool_, {output});
+  }
   Staging s{"_allgather_base", pool_};
   at::Tensor host_in = s.In(input);
   at::Tensor host_out = s.Out(output);
@@ -447,6 +613,17 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::reduce_scatter(std::vector<at::Tensor>
 
 c10::intrusive_ptr<Work> ProcessGroupTPU::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                const c10d::ReduceScatterOptions& opts) {
+  ReduceKind kind;
+  if (UseXla({output, input}) && XlaReduce(opts.reduceOp, &kind)) {
+    TORCH_CHECK(input.numel() == output.numel() * getSize(), "tpu_dist _reduce_scatter_base: input of ", input.numel(),
+                " elements for ", getSize(), " outputs of ", output.numel());
+    ReduceRewrite r = Rewrite(opts.reduceOp, "_reduce_scatter_base", {output});
+    CollectiveSpec spec;
+    spec.kind = CollectiveKind::kReduceScatter;
+    spec.reduce = kind;
+    output.copy_(RunXla(spec, input, output.sizes(), XlaFactor(r, input), "_reduce_scatter_base"));
+    return Done(getRank(), OpType::_REDUCE_SCATTER_BASE, "_reduce_scatter_base", pool_, {output});
+  }
   Staging s{"_reduce_scatter_base", pool_};
   ReduceRewrite r = Rewrite(opts.reduceOp, s.op, {output});
   at::Tensor host_in = PreMultiply(r, s.In(input));
@@ -479,6 +656,15 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::alltoall_base(at::Tensor& output, at::
                                                         std::vector<int64_t>& output_split_sizes,
                                                         std::vector<int64_t>& input_split_sizes,
                                                         const c10d::AllToAllOptions& opts) {
+  if (UseXla({output, input}) && output_split_sizes.empty() && input_split_sizes.empty() &&
+      input.numel() % getSize() == 0) {
+    TORCH_CHECK(output.numel() == input.numel(), "tpu_dist alltoall_base: output of ", output.numel(),
+                " elements, input of ", input.numel());
+    CollectiveSpec spec;
+    spec.kind = CollectiveKind::kAllToAll;
+    output.copy_(RunXla(spec, input, output.sizes(), {}, "alltoall_base"));
+    return Done(getRank(), OpType::ALLTOALL_BASE, "alltoall_base", pool_, {output});
+  }
   Staging s{"alltoall_base", pool_};
   at::Tensor host_in = s.In(input);
   at::Tensor host_out = s.Out(output);

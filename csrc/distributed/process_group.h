@@ -10,6 +10,12 @@
 // the host results back into the tpu tensors' storages (in place, as PyTorch
 // requires: an output tensor keeps its identity, strides and storage).
 //
+// With TORCH_TPU_DIST_TRANSPORT=xla, all_reduce, broadcast,
+// _allgather_base, _reduce_scatter_base and even alltoall_base of tpu
+// tensors run as one StableHLO collective program each instead
+// (distributed/xla_transport.h, transport() below); the rest stays
+// host-staged.
+//
 // CPU tensors given to this backend (init_process_group("tpu_dist") maps cpu
 // to it as well, so barrier() and CPU collectives work) go to gloo directly.
 //
@@ -39,6 +45,8 @@
 namespace torch_tpu::distributed {
 
 class StagingPool;  // process_group.cpp: reused host staging buffers
+class XlaTransport;  // xla_transport.h
+struct CollectiveSpec;
 
 class ProcessGroupTPU : public c10d::Backend {
  public:
@@ -48,6 +56,21 @@ class ProcessGroupTPU : public c10d::Backend {
                   std::chrono::milliseconds timeout);
 
   const std::string getBackendName() const override { return "tpu_dist"; }
+  // The transport tpu tensors take: "host-staged" (default, every plugin)
+  // or "xla-native" (TORCH_TPU_DIST_TRANSPORT=xla: all_reduce, broadcast,
+  // all_gather_into_tensor, reduce_scatter_tensor and even
+  // all_to_all_single of tpu tensors each run one StableHLO collective
+  // program, distributed/xla_transport.h; the other collectives stay
+  // host-staged). xla_native_usable(): the XLA-native transport's capability
+  // check on the runtime's client at construction (XlaTransport::UsableFor:
+  // the client spans processes, as libtpu's and the XLA CUDA plugin's with
+  // node_id/num_nodes do; false on the CPU plugin). The XLA-native path is
+  // opt-in, not chosen automatically where usable, until it has run on a
+  // client that spans processes (docs/distributed.md). With
+  // TORCH_TPU_DIST_TRANSPORT=xla the constructor raises unless the check
+  // passes or the group has one rank (one process: what the tests run).
+  std::string transport() const { return xla_ ? "xla-native" : "host-staged"; }
+  bool xla_native_usable() const { return xla_native_usable_; }
   const c10::intrusive_ptr<c10d::Backend>& host() const { return host_; }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -99,7 +122,20 @@ class ProcessGroupTPU : public c10d::Backend {
  private:
   c10::intrusive_ptr<c10d::Backend> host_;
   std::chrono::milliseconds timeout_;
+  // XLA-native path (null: host-staged only). Runs `spec` (its kind,
+  // reduction and root set) on this rank's tpu tensor `in`, returning a new
+  // tpu tensor of `out_sizes`; `factor`: PREMUL_SUM's 0-d tpu tensor.
+  bool UseXla(const std::vector<at::Tensor>& tensors) const;
+  at::Tensor RunXla(CollectiveSpec& spec, const at::Tensor& in, at::IntArrayRef out_sizes,
+                    const at::Tensor& factor, const char* op);
+  c10::intrusive_ptr<c10d::Work> XlaAllReduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op,
+                                              const char* name);
+
   std::shared_ptr<StagingPool> pool_;
+  bool xla_native_usable_ = false;
+  std::shared_ptr<XlaTransport> xla_;
+  std::vector<int64_t> device_ids_;  // rank r's device id (XLA-native)
+  int device_index_ = 0;             // this rank's tpu device (XLA-native)
 };
 
 }  // namespace torch_tpu::distributed

@@ -23,7 +23,11 @@ void Bind(py::module& parent) {
            }),
            py::arg("host"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            "ProcessGroupTPU(host: gloo Backend over the same ranks, rank, size, timeout: timedelta)")
-      .def_property_readonly("host", &ProcessGroupTPU::host, "the internal gloo backend (host-staged transport)");
+      .def_property_readonly("host", &ProcessGroupTPU::host, "the internal gloo backend (host-staged transport)")
+      .def_property_readonly("transport", &ProcessGroupTPU::transport, "the transport collectives take: 'host-staged'")
+      .def_property_readonly("xla_native_usable", &ProcessGroupTPU::xla_native_usable,
+                             "whether the runtime's PJRT client spans processes (the XLA-native transport's "
+                             "capability check); False on the CPU plugin");
 }
 
 }  // namespace torch_tpu::distributed

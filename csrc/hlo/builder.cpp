@@ -814,4 +814,137 @@ std::vector<Value> Builder::CustomCall(std::string_view target, std::span<const 
   return EmitValues("stablehlo.custom_call", operands, result_types, attr);
 }
 
+namespace {
+
+// replica_groups = dense<[[0, 1], [2, 3]]> : tensor<2x2xi64>, checked: at
+// least one group, every group of one size >= 1, no id twice.
+std::string ReplicaGroupsAttr(const std::string& op, const Builder::ReplicaGroups& groups) {
+  if (groups.empty() || groups[0].empty()) throw BuildError(op + ": replica_groups is empty");
+  const size_t size = groups[0].size();
+  std::vector<int64_t> seen;
+  std::string text = "replica_groups = dense<[";
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g].size() != size)
+      throw BuildError(op + ": replica groups of different sizes (" + std::to_string(size) + " and " +
+                       std::to_string(groups[g].size()) + ")");
+    for (int64_t id : groups[g]) {
+      if (id < 0) throw BuildError(op + ": negative process id " + std::to_string(id) + " in replica_groups");
+      for (int64_t s : seen)
+        if (s == id) throw BuildError(op + ": process id " + std::to_string(id) + " twice in replica_groups");
+      seen.push_back(id);
+    }
+    if (g) text += ", ";
+    text += I64List(groups[g]);
+  }
+  text += "]> : tensor<" + std::to_string(groups.size()) + "x" + std::to_string(size) + "xi64>";
+  return text;
+}
+
+std::string CollectiveAttrs(const std::string& op, const CollectiveOptions& options) {
+  if (options.channel_id < 0) throw BuildError(op + ": negative channel_id");
+  if (options.use_global_device_ids && options.channel_id == 0)
+    throw BuildError(op + ": use_global_device_ids needs a channel (channel_id > 0)");
+  std::string text;
+  if (options.channel_id > 0)
+    text += ", channel_handle = #stablehlo.channel_handle<handle = " + std::to_string(options.channel_id) +
+            ", type = 1>";
+  if (options.use_global_device_ids) text += ", use_global_device_ids";
+  return text;
+}
+
+void CheckDimension(const std::string& op, const Value& x, int64_t dimension) {
+  if (dimension < 0 || dimension >= x.rank())
+    throw BuildError(op + ": dimension " + std::to_string(dimension) + " out of range for " + x.type.ToString());
+}
+
+std::pair<std::vector<TensorType>, RegionFn> ScalarRegion(const Value& x, const RegionFn& body) {
+  TensorType scalar{x.element(), {}};
+  return {{scalar, scalar}, body};
+}
+
+}  // namespace
+
+Value Builder::AllReduce(const Value& x, const ReplicaGroups& groups, const RegionFn& body,
+                         const CollectiveOptions& options) {
+  const std::string op = "stablehlo.all_reduce";
+  std::string attr = ReplicaGroupsAttr(op, groups) + CollectiveAttrs(op, options);
+  auto region = ScalarRegion(x, body);
+  Value in[] = {x};
+  TensorType result = x.type;
+  return EmitValues(op, in, std::span(&result, 1), attr, std::span(&region, 1))[0];
+}
+
+Value Builder::AllGather(const Value& x, int64_t dimension, const ReplicaGroups& groups,
+                         const CollectiveOptions& options) {
+  const std::string op = "stablehlo.all_gather";
+  CheckDimension(op, x, dimension);
+  std::string attr = "all_gather_dim = " + std::to_string(dimension) + " : i64, " + ReplicaGroupsAttr(op, groups) +
+                     CollectiveAttrs(op, options);
+  TensorType result = x.type;
+  result.dims[static_cast<size_t>(dimension)] *= static_cast<int64_t>(groups[0].size());
+  Value in[] = {x};
+  return Emit1(op, in, result, attr);
+}
+
+Value Builder::ReduceScatter(const Value& x, int64_t dimension, const ReplicaGroups& groups, const RegionFn& body,
+                             const CollectiveOptions& options) {
+  const std::string op = "stablehlo.reduce_scatter";
+  CheckDimension(op, x, dimension);
+  std::string attr = "scatter_dimension = " + std::to_string(dimension) + " : i64, " +
+                     ReplicaGroupsAttr(op, groups) + CollectiveAttrs(op, options);
+  const int64_t n = static_cast<int64_t>(groups[0].size());
+  TensorType result = x.type;
+  int64_t& d = result.dims[static_cast<size_t>(dimension)];
+  if (d % n != 0)
+    throw BuildError(op + ": dimension " + std::to_string(dimension) + " of " + x.type.ToString() +
+                     " is not divisible by the group size " + std::to_string(n));
+  d /= n;
+  auto region = ScalarRegion(x, body);
+  Value in[] = {x};
+  return EmitValues(op, in, std::span(&result, 1), attr, std::span(&region, 1))[0];
+}
+
+Value Builder::AllToAll(const Value& x, int64_t split_dimension, int64_t concat_dimension,
+                        const ReplicaGroups& groups, const CollectiveOptions& options) {
+  const std::string op = "stablehlo.all_to_all";
+  CheckDimension(op, x, split_dimension);
+  CheckDimension(op, x, concat_dimension);
+  const int64_t n = static_cast<int64_t>(groups.empty() ? 0 : groups[0].size());
+  std::string attr = "split_dimension = " + std::to_string(split_dimension) + " : i64, concat_dimension = " +
+                     std::to_string(concat_dimension) + " : i64, split_count = " + std::to_string(n) + " : i64, " +
+                     ReplicaGroupsAttr(op, groups) + CollectiveAttrs(op, options);
+  TensorType result = x.type;
+  int64_t& s = result.dims[static_cast<size_t>(split_dimension)];
+  if (s % n != 0)
+    throw BuildError(op + ": split dimension " + std::to_string(split_dimension) + " of " + x.type.ToString() +
+                     " is not divisible by the group size " + std::to_string(n));
+  s /= n;
+  result.dims[static_cast<size_t>(concat_dimension)] *= n;
+  Value in[] = {x};
+  return Emit1(op, in, result, attr);
+}
+
+Value Builder::CollectivePermute(const Value& x, std::span<const std::pair<int64_t, int64_t>> pairs,
+                                 const CollectiveOptions& options) {
+  const std::string op = "stablehlo.collective_permute";
+  if (pairs.empty()) throw BuildError(op + ": no source_target_pairs");
+  std::string text = "source_target_pairs = dense<[";
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    const auto& [src, dst] = pairs[i];
+    if (src < 0 || dst < 0) throw BuildError(op + ": negative process id in source_target_pairs");
+    for (size_t j = 0; j < i; ++j) {
+      if (pairs[j].first == src) throw BuildError(op + ": source " + std::to_string(src) + " twice");
+      if (pairs[j].second == dst) throw BuildError(op + ": target " + std::to_string(dst) + " twice");
+    }
+    if (i) text += ", ";
+    text += "[" + std::to_string(src) + ", " + std::to_string(dst) + "]";
+  }
+  text += "]> : tensor<" + std::to_string(pairs.size()) + "x2xi64>" + CollectiveAttrs(op, options);
+  Value in[] = {x};
+  return Emit1(op, in, x.type, text);
+}
+
+Value Builder::ReplicaId() { return Emit1("stablehlo.replica_id", {}, TensorType{ElementType::kU32, {}}); }
+Value Builder::PartitionId() { return Emit1("stablehlo.partition_id", {}, TensorType{ElementType::kU32, {}}); }
+
 }  // namespace torch_tpu::hlo

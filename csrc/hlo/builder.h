@@ -87,6 +87,17 @@ struct ConvDims {
   std::vector<int64_t> output_spatial;
 };
 
+// How a collective's process ids are read (StableHLO spec, "collective
+// ops"): channel_id 0 (no channel_handle) = cross_replica (ids are replica
+// ids, the program compiled with num_replicas = processes); channel_id > 0
+// without use_global_device_ids = cross_replica_and_partition; with it =
+// flattened_ids (ids are replica * num_partitions + partition, needs a
+// channel). The channel handle is type DEVICE_TO_DEVICE (1).
+struct CollectiveOptions {
+  int64_t channel_id = 0;
+  bool use_global_device_ids = false;
+};
+
 class Builder;
 // Builds the body of a region (reduce, scatter, sort): receives the block
 // arguments and returns the values passed to stablehlo.return.
@@ -234,6 +245,34 @@ class Builder {
   std::vector<Value> CustomCall(std::string_view target, std::span<const Value> operands,
                                 std::span<const TensorType> result_types,
                                 std::string_view backend_config = {});
+
+  // --- collectives (StableHLO spec, "all_reduce" .. "collective_permute") --
+  // A program run by several processes (replicas or partitions, see
+  // CollectiveOptions). `groups`: replica_groups, each a list of process
+  // ids; all groups the same size (the op's group size). `body` (AllReduce,
+  // ReduceScatter) takes two 0-d values of x's element type and returns one.
+  // Shapes: AllReduce and CollectivePermute keep x's type; AllGather
+  // multiplies `dimension` by the group size; ReduceScatter divides it (it
+  // must be divisible); AllToAll splits `split_dimension` into group-size
+  // blocks (divisible) and concatenates the received blocks along
+  // `concat_dimension`. CollectivePermute's `pairs` are (source, target)
+  // process ids, each source and each target at most once; a process that
+  // is no target receives zeros. Throws BuildError on uneven groups, bad
+  // dimensions, indivisible sizes or repeated pairs.
+  using ReplicaGroups = std::vector<std::vector<int64_t>>;
+  Value AllReduce(const Value& x, const ReplicaGroups& groups, const RegionFn& body,
+                  const CollectiveOptions& options = {});
+  Value AllGather(const Value& x, int64_t dimension, const ReplicaGroups& groups,
+                  const CollectiveOptions& options = {});
+  Value ReduceScatter(const Value& x, int64_t dimension, const ReplicaGroups& groups,
+                      const RegionFn& body, const CollectiveOptions& options = {});
+  Value AllToAll(const Value& x, int64_t split_dimension, int64_t concat_dimension,
+                 const ReplicaGroups& groups, const CollectiveOptions& options = {});
+  Value CollectivePermute(const Value& x, std::span<const std::pair<int64_t, int64_t>> pairs,
+                          const CollectiveOptions& options = {});
+  // stablehlo.replica_id / partition_id: tensor<ui32> of the running process.
+  Value ReplicaId();
+  Value PartitionId();
 
   // Emits an arbitrary op in generic form (escape hatch for lowerings):
   // `attributes` is the text inside {...} (may be empty).

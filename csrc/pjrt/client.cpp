@@ -1,4 +1,7 @@
 // PJRT_Client wrapper: devices, compilation, host-to-device transfers.
+#include <chrono>
+#include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -7,10 +10,81 @@
 
 namespace torch_tpu::pjrt {
 
+namespace detail {
+namespace {
+
+char* HeapCopy(const std::string& value) {
+  char* out = new char[value.size() + 1];
+  std::memcpy(out, value.data(), value.size());
+  out[value.size()] = '\0';
+  return out;
+}
+void DeleteValue(char* value) { delete[] value; }
+
+PJRT_Error* CallbackError(PJRT_CallbackError* make, PJRT_Error_Code code, const std::string& message) {
+  if (make == nullptr || *make == nullptr) return nullptr;  // nothing to report with
+  return (*make)(code, message.data(), message.size());
+}
+
+}  // namespace
+
+PJRT_Error* KeyValueGet(PJRT_KeyValueGetCallback_Args* args) {
+  auto* store = static_cast<KeyValueStore*>(args->user_arg);
+  const std::string key(args->key, args->key_size);
+  try {
+    std::string value = store->Get(key, std::chrono::milliseconds(args->timeout_in_ms));
+    args->value = HeapCopy(value);
+    args->value_size = value.size();
+    args->value_deleter_callback = &DeleteValue;
+    return nullptr;
+  } catch (const std::exception& e) {
+    return CallbackError(args->callback_error, PJRT_Error_Code_DEADLINE_EXCEEDED,
+                         "key-value store get of '" + key + "' failed: " + e.what());
+  }
+}
+
+PJRT_Error* KeyValueTryGet(PJRT_KeyValueTryGetCallback_Args* args) {
+  auto* store = static_cast<KeyValueStore*>(args->user_arg);
+  const std::string key(args->key, args->key_size);
+  try {
+    std::optional<std::string> value = store->TryGet(key);
+    if (!value) return CallbackError(args->callback_error, PJRT_Error_Code_NOT_FOUND, "key '" + key + "' not found");
+    args->value = HeapCopy(*value);
+    args->value_size = value->size();
+    args->value_deleter_callback = &DeleteValue;
+    return nullptr;
+  } catch (const std::exception& e) {
+    return CallbackError(args->callback_error, PJRT_Error_Code_INTERNAL,
+                         "key-value store try-get of '" + key + "' failed: " + e.what());
+  }
+}
+
+PJRT_Error* KeyValuePut(PJRT_KeyValuePutCallback_Args* args) {
+  auto* store = static_cast<KeyValueStore*>(args->user_arg);
+  const std::string key(args->key, args->key_size);
+  try {
+    store->Put(key, std::string(args->value, args->value_size));
+    return nullptr;
+  } catch (const std::exception& e) {
+    return CallbackError(args->callback_error, PJRT_Error_Code_INTERNAL,
+                         "key-value store put of '" + key + "' failed: " + e.what());
+  }
+}
+
+}  // namespace detail
+
 std::shared_ptr<Client> Client::Create(std::shared_ptr<Plugin> plugin,
                                        const std::vector<std::pair<std::string, int64_t>>& int_options) {
+  ClientOptions options;
+  options.int_options = int_options;
+  return Create(std::move(plugin), options);
+}
+
+std::shared_ptr<Client> Client::Create(std::shared_ptr<Plugin> plugin, const ClientOptions& client_options) {
   const Plugin& p = *plugin;
-  std::vector<PJRT_NamedValue> options(int_options.size());
+  const auto& int_options = client_options.int_options;
+  const auto& string_options = client_options.string_options;
+  std::vector<PJRT_NamedValue> options(int_options.size() + string_options.size());
   for (size_t i = 0; i < int_options.size(); ++i) {
     PJRT_NamedValue& v = options[i];
     v.struct_size = PJRT_NamedValue_STRUCT_SIZE;
@@ -20,14 +94,32 @@ std::shared_ptr<Client> Client::Create(std::shared_ptr<Plugin> plugin,
     v.int64_value = int_options[i].second;
     v.value_size = 1;
   }
-  PJRT_Client_Create_Args create{};  // no KV store
+  for (size_t i = 0; i < string_options.size(); ++i) {
+    PJRT_NamedValue& v = options[int_options.size() + i];
+    v.struct_size = PJRT_NamedValue_STRUCT_SIZE;
+    v.name = string_options[i].first.c_str();
+    v.name_size = string_options[i].first.size();
+    v.type = PJRT_NamedValue_kString;
+    v.string_value = string_options[i].second.c_str();
+    v.value_size = string_options[i].second.size();
+  }
+  PJRT_Client_Create_Args create{};
   create.create_options = options.data();
   create.num_options = options.size();
+  if (KeyValueStore* store = client_options.kv_store.get()) {
+    create.kv_get_callback = &detail::KeyValueGet;
+    create.kv_get_user_arg = store;
+    create.kv_put_callback = &detail::KeyValuePut;
+    create.kv_put_user_arg = store;
+    create.kv_try_get_callback = &detail::KeyValueTryGet;
+    create.kv_try_get_user_arg = store;
+  }
   TORCH_TPU_PJRT_CALL(p, PJRT_Client_Create, create);
 
   std::shared_ptr<Client> client(new Client());
   client->plugin_ = std::move(plugin);
   client->client_ = create.client;  // owned from here: ~Client destroys it
+  client->kv_store_ = client_options.kv_store;
 
   PJRT_Client_AddressableDevices_Args list{};
   list.client = client->client_;
@@ -71,6 +163,20 @@ Client::~Client() {
   PJRT_Client_Destroy_Args args{};
   args.client = client_;
   TORCH_TPU_PJRT_CALL_NOTHROW(*plugin_, PJRT_Client_Destroy, args);
+}
+
+int Client::global_device_count() const {
+  PJRT_Client_Devices_Args args{};
+  args.client = client_;
+  TORCH_TPU_PJRT_CALL(*plugin_, PJRT_Client_Devices, args);
+  return static_cast<int>(args.num_devices);
+}
+
+int Client::process_index() const {
+  PJRT_Client_ProcessIndex_Args args{};
+  args.client = client_;
+  TORCH_TPU_PJRT_CALL(*plugin_, PJRT_Client_ProcessIndex, args);
+  return args.process_index;
 }
 
 std::string Client::platform_name() const {

@@ -10,6 +10,12 @@
 //   ExecutableBuildOptionsProto
 //     4  num_replicas   : int64
 //     5  num_partitions : int64
+//     9  device_assignment : DeviceAssignmentProto
+//   DeviceAssignmentProto (xla/xla_data.proto)
+//     1  replica_count : int32
+//     2  computation_count : int32
+//     3  computation_devices : repeated ComputationDevice
+//          { 1 replica_device_ids : repeated int64 }
 //   OptionOverrideProto (oneof value)
 //     1  string_field : string
 //     2  bool_field   : bool
@@ -58,6 +64,20 @@ std::string CompileOptions::Serialize() const {
   std::string build;  // ExecutableBuildOptionsProto
   PutInt(build, 4, num_replicas);
   PutInt(build, 5, num_partitions);
+  if (!device_assignment.empty()) {
+    if (num_partitions != 1 || static_cast<int64_t>(device_assignment.size()) != num_replicas)
+      throw Error("CompileOptions: device_assignment needs num_partitions 1 and one device per replica (" +
+                      std::to_string(device_assignment.size()) + " devices, " + std::to_string(num_replicas) +
+                      " replicas)",
+                  PJRT_Error_Code_INVALID_ARGUMENT);
+    std::string computation;  // ComputationDevice (partition 0)
+    for (int64_t id : device_assignment) PutInt(computation, 1, id);
+    std::string assignment;  // DeviceAssignmentProto
+    PutInt(assignment, 1, num_replicas);
+    PutInt(assignment, 2, 1);
+    PutBytes(assignment, 3, computation);
+    PutBytes(build, 9, assignment);
+  }
 
   std::string out;  // CompileOptionsProto
   PutBytes(out, 3, build);

@@ -153,4 +153,73 @@ std::string Executable::Serialize() const {
   return std::string(args.serialized_bytes, args.serialized_bytes_size);
 }
 
+std::vector<PJRT_Device*> Executable::addressable_devices() const {
+  PJRT_LoadedExecutable_AddressableDevices_Args args{};
+  args.executable = exe_;
+  TORCH_TPU_PJRT_CALL(*plugin_, PJRT_LoadedExecutable_AddressableDevices, args);
+  return std::vector<PJRT_Device*>(args.addressable_devices, args.addressable_devices + args.num_addressable_devices);
+}
+
+std::vector<std::vector<std::unique_ptr<Buffer>>> Executable::ExecuteReplicated(
+    std::span<const std::vector<Buffer*>> argument_lists, std::vector<std::unique_ptr<Event>>* complete) {
+  const size_t num_devices = argument_lists.size();
+  const size_t expected = addressable_devices().size();
+  if (num_devices != expected) {
+    throw Error("ExecuteReplicated: " + std::to_string(num_devices) + " argument lists for an executable on " +
+                    std::to_string(expected) + " devices of this process",
+                PJRT_Error_Code_INVALID_ARGUMENT);
+  }
+  const size_t num_args = num_devices ? argument_lists[0].size() : 0;
+  std::vector<std::vector<PJRT_Buffer*>> args(num_devices);
+  for (size_t d = 0; d < num_devices; ++d) {
+    if (argument_lists[d].size() != num_args)
+      throw Error("ExecuteReplicated: argument lists of different lengths", PJRT_Error_Code_INVALID_ARGUMENT);
+    for (size_t i = 0; i < num_args; ++i) {
+      if (argument_lists[d][i] == nullptr)
+        throw Error("ExecuteReplicated: argument " + std::to_string(i) + " of device " + std::to_string(d) +
+                        " is null",
+                    PJRT_Error_Code_INVALID_ARGUMENT);
+      args[d].push_back(argument_lists[d][i]->handle());
+    }
+  }
+  std::vector<int64_t> non_donatable(num_args);
+  for (size_t i = 0; i < num_args; ++i) non_donatable[i] = static_cast<int64_t>(i);
+  std::vector<PJRT_Buffer* const*> arg_ptrs(num_devices);
+  std::vector<std::vector<PJRT_Buffer*>> outputs(num_devices, std::vector<PJRT_Buffer*>(num_outputs_, nullptr));
+  std::vector<PJRT_Buffer**> out_ptrs(num_devices);
+  for (size_t d = 0; d < num_devices; ++d) {
+    arg_ptrs[d] = args[d].data();
+    out_ptrs[d] = outputs[d].data();
+  }
+  std::vector<PJRT_Event*> events(num_devices, nullptr);
+
+  PJRT_ExecuteOptions options{};
+  options.struct_size = PJRT_ExecuteOptions_STRUCT_SIZE;
+  options.non_donatable_input_indices = non_donatable.data();
+  options.num_non_donatable_input_indices = num_args;
+
+  PJRT_LoadedExecutable_Execute_Args exec{};
+  exec.executable = exe_;
+  exec.options = &options;
+  exec.argument_lists = arg_ptrs.data();
+  exec.num_devices = num_devices;
+  exec.num_args = num_args;
+  exec.output_lists = out_ptrs.data();
+  exec.device_complete_events = complete != nullptr ? events.data() : nullptr;
+  exec.execute_device = nullptr;  // every device of the assignment
+  TORCH_TPU_PJRT_CALL(*plugin_, PJRT_LoadedExecutable_Execute, exec);
+
+  // Owned from here; wrapping cannot fail but for allocation, and then the
+  // destructors of what was wrapped release it.
+  std::vector<std::vector<std::unique_ptr<Buffer>>> result(num_devices);
+  for (size_t d = 0; d < num_devices; ++d) {
+    for (size_t i = 0; i < num_outputs_; ++i) result[d].push_back(std::make_unique<Buffer>(plugin_, outputs[d][i]));
+  }
+  if (complete != nullptr) {
+    complete->clear();
+    for (PJRT_Event* e : events) complete->push_back(std::make_unique<Event>(plugin_, e));
+  }
+  return result;
+}
+
 }  // namespace torch_tpu::pjrt

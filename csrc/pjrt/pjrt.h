@@ -11,6 +11,7 @@
 // pjrt_api_version is checked against it at load time.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -155,6 +156,12 @@ struct CompileOptions {
   // {"xla_cpu_enable_fast_min_max", "false"}. Values are sent as strings
   // unless they are "true"/"false" (bool) .
   std::vector<std::pair<std::string, std::string>> env_option_overrides;
+  // ExecutableBuildOptionsProto.device_assignment for num_partitions == 1:
+  // replica r runs on the device whose (global) id is device_assignment[r];
+  // its size must equal num_replicas. Empty: the client's default
+  // assignment (replica r on device r). Not written when empty, so the
+  // serialized options of every other program are unchanged.
+  std::vector<int64_t> device_assignment;
   std::string Serialize() const;
 };
 
@@ -179,6 +186,23 @@ class Executable {
   // Serialized executable (PJRT_Executable_Serialize) for the on-disk cache.
   std::string Serialize() const;
 
+  // The devices a replicated / partitioned executable runs on in this
+  // process (PJRT_LoadedExecutable_AddressableDevices), in the order
+  // ExecuteReplicated takes its argument lists: the compile options' device
+  // assignment (the client's default one: replica r on device r) restricted
+  // to this process's devices.
+  std::vector<PJRT_Device*> addressable_devices() const;
+  // Runs a program compiled with num_replicas x num_partitions > 1 once on
+  // each of addressable_devices(): argument_lists[i] are the arguments of
+  // the i-th (each buffer on that device; no donation), and the result's
+  // [i] its outputs. Asynchronous as Execute; `complete`, if non-null,
+  // receives one device-complete event per device. Throws Error when the
+  // number of lists differs from addressable_devices() or a list from the
+  // program's arguments (the plugin's message), or a buffer is null.
+  std::vector<std::vector<std::unique_ptr<Buffer>>> ExecuteReplicated(
+      std::span<const std::vector<Buffer*>> argument_lists,
+      std::vector<std::unique_ptr<Event>>* complete = nullptr);
+
  private:
   std::shared_ptr<Plugin> plugin_;
   PJRT_LoadedExecutable* exe_;
@@ -186,9 +210,61 @@ class Executable {
   size_t num_outputs_ = 0;
 };
 
+// The key-value store PJRT_Client_Create's kv_get/kv_try_get/kv_put
+// callbacks reach: how a client that spans processes (the XLA CUDA plugin
+// with node_id/num_nodes, docs/distributed.md) exchanges its bootstrap data
+// (NCCL unique ids, topology) with the other processes. Implementations
+// must be thread-safe (the plugin may call from its own threads) and key
+// the values so that no other user of the same store collides (the
+// distributed layer uses the c10d store under the prefix "pjrt/").
+class KeyValueStore {
+ public:
+  virtual ~KeyValueStore() = default;
+  // The value of `key`, blocking until another process put it; throws
+  // (any std::exception) after `timeout` (the plugin's).
+  virtual std::string Get(const std::string& key, std::chrono::milliseconds timeout) = 0;
+  // The value of `key`, or nullopt at once when it is not set.
+  virtual std::optional<std::string> TryGet(const std::string& key) = 0;
+  virtual void Put(const std::string& key, const std::string& value) = 0;
+};
+
+// PJRT_Client_Create's inputs. Option names and meanings are the plugin's
+// (unknown ones are ignored by the XLA plugins): CPU "cpu_device_count";
+// CUDA "node_id", "num_nodes" (int64), "platform_name" (string),
+// "visible_devices" ... The store, when set, is kept alive by the client
+// (the plugin may call the callbacks until the client is destroyed).
+struct ClientOptions {
+  std::vector<std::pair<std::string, int64_t>> int_options;
+  std::vector<std::pair<std::string, std::string>> string_options;
+  std::shared_ptr<KeyValueStore> kv_store;
+};
+
+namespace detail {
+// The C callbacks Client::Create hands the plugin, user_arg a
+// KeyValueStore*. A store exception becomes a PJRT_Error made by the
+// plugin's callback_error: DEADLINE_EXCEEDED for Get (timed out), NOT_FOUND
+// for TryGet of an absent key, INTERNAL otherwise, the message the
+// exception's what(). Values returned by Get/TryGet are heap copies freed
+// by the plugin through value_deleter_callback. Exposed for tests.
+PJRT_Error* KeyValueGet(PJRT_KeyValueGetCallback_Args* args);
+PJRT_Error* KeyValueTryGet(PJRT_KeyValueTryGetCallback_Args* args);
+PJRT_Error* KeyValuePut(PJRT_KeyValuePutCallback_Args* args);
+}  // namespace detail
+
 // Owns a PJRT_Client.
 class Client {
  public:
+  // With string options and a key-value store (ClientOptions). Throws Error
+  // with the plugin's diagnostic if the plugin rejects an option.
+  static std::shared_ptr<Client> Create(std::shared_ptr<Plugin> plugin, const ClientOptions& options);
+  // Every device of the runtime, also those of other processes
+  // (PJRT_Client_Devices): more than addressable_devices() exactly when the
+  // client spans processes.
+  int global_device_count() const;
+  // This process's index among the client's processes
+  // (PJRT_Client_ProcessIndex; 0 in one process).
+  int process_index() const;
+
   // `int_options`: integer PJRT_Client_Create options (PJRT_NamedValue
   // kInt64), plugin-specific, e.g. the CPU plugin's "cpu_device_count".
   // Throws Error with the plugin's diagnostic if the plugin rejects one.
@@ -223,6 +299,7 @@ class Client {
   std::shared_ptr<Plugin> plugin_;
   PJRT_Client* client_ = nullptr;
   std::vector<Device> devices_;
+  std::shared_ptr<KeyValueStore> kv_store_;  // ClientOptions::kv_store
 };
 
 // Size in bytes of one element of `type` (PJRT_Buffer_Type); throws for
