@@ -170,15 +170,18 @@ def _minilm_loss(f, batch):
 # full tier the whole model. Programs per step: 8 in strict mode, 1 in
 # fused, as for the MLP; the whole model's foreach AdamW step (over 100
 # parameters) is more calls than one region takes (TORCH_TPU_FUSED_MAX_OPS,
-# 512): its optimizer is 2 programs in strict mode (9 per step), and the
-# fused step is cut by the size bound (at most 3 regions asserted).
+# 512): its optimizer is 2 programs in strict mode (9 per step). Its fused
+# step is 13 regions (measured): the loop detection finds the per-layer
+# period of the foreach AdamW's per-tensor calls and cuts the optimizer at
+# it (fused eager without compile: 20); only the count's constancy is
+# asserted there (docs/design.md, "Programs per training step").
 @pytest.mark.parametrize("layers,mode", [(2, "strict"),
                                          pytest.param(2, "fused", marks=pytest.mark.full_tier),
                                          pytest.param(6, "strict", marks=pytest.mark.full_tier),
                                          pytest.param(6, "debug", marks=pytest.mark.full_tier),
                                          pytest.param(6, "fused", marks=pytest.mark.full_tier)])
 def test_compiled_minilm_steps_match_cpu(layers, mode):
-    programs = {"strict": 8, "fused": 1} if layers == 2 else {"strict": 9, "fused": ("at most", 3)}
+    programs = {"strict": 8, "fused": 1} if layers == 2 else {"strict": 9}
     _check(lambda: _minilm_classifier(layers), _minilm_batch, _minilm_loss, mode, "default",
            programs=programs, lr=5e-5)
 
