@@ -148,7 +148,9 @@ void BindGraphProgram(py::module& m) {
       .def_readonly("id", &GraphValue::id)
       .def("__repr__", [](const GraphValue& v) { return "<graph value " + std::to_string(v.id) + ">"; });
 
-  py::class_<GraphProgram>(m, "GraphProgram")
+  // Held by shared_ptr: a launch recorded into a fused region keeps its
+  // program alive until the region has run (GraphProgram::Run).
+  py::class_<GraphProgram, std::shared_ptr<GraphProgram>>(m, "GraphProgram")
       .def(py::init<std::string>(), py::arg("name") = "graph")
       .def(
           "add_input",
@@ -169,7 +171,8 @@ void BindGraphProgram(py::module& m) {
       .def("donate_input", &GraphProgram::DonateInput, py::arg("input"), py::arg("output"),
            "Output `output` (the new value of input `input`) may reuse the input's buffer")
       .def("compile", &GraphProgram::Compile)
-      .def("run", &GraphProgram::Run, py::arg("inputs"))
+      .def("run", &GraphProgram::Run, py::arg("inputs"),
+           "Runs the program (in fused eager mode: records it as one call of the fused region)")
       .def_property_readonly("compiled", &GraphProgram::compiled)
       .def_property_readonly("module_text", &GraphProgram::module_text)
       .def_property_readonly("name", &GraphProgram::name)

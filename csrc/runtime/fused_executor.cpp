@@ -20,6 +20,14 @@
 // and runs on the CPU. If the region as a whole fails to build or compile,
 // its calls run one by one through their eager executables instead, as do
 // the regions of a structure that keeps changing sizes (churn, below).
+//
+// A torch.compile graph launched in fused mode is recorded as ONE call of
+// the region (RecordGraph): its inputs are read like any call's arguments,
+// its outputs are pending storages, and the region's module holds the
+// graph's body (GraphProgram::EmitInto: the same lowering code the graph's
+// own program was built with), so XLA sees the graph and the eager calls
+// around it as one program. Keys, loop detection and churn count a graph
+// call as one call, named by the graph's uid.
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/impl/PyInterpreterHooks.h>
@@ -38,16 +46,84 @@
 #include "lowering/helpers.h"
 #include "runtime/compiled_op.h"
 #include "runtime/executor.h"
+#include "runtime/graph_program.h"
 
 namespace torch_tpu::runtime {
 namespace {
 
+// One recorded call: an ATen call (op, eager) or a compiled graph's launch
+// (graph; args are its inputs, in order).
 struct RecordedCall {
-  c10::OperatorHandle op;
+  std::optional<c10::OperatorHandle> op;
   std::shared_ptr<const CompiledOp> eager;  // validated single-op program (spec, fallback)
   std::vector<c10::IValue> args;    // the call's arguments, kept alive until the flush
   caffe2::TypeMeta default_dtype;   // torch.get_default_dtype() when recorded (lowerings read it)
+  std::shared_ptr<GraphProgram> graph;
+  // Graph calls, per GraphProgram::donations() entry: the output is written
+  // into the input's storage (the input fed as it is, once) instead of
+  // being a new tensor.
+  std::vector<bool> applied;
 };
+
+// Key atom opening a graph call (an ATen call opens with its schema's
+// address, never 0).
+constexpr int64_t kGraphCallAtom = 0;
+
+// Loop-detection signature of a graph call: odd, so never the address of
+// an OpCache entry (the signature of an ATen call).
+uintptr_t GraphSignature(const GraphProgram& g) { return static_cast<uintptr_t>(g.uid() << 1 | 1); }
+
+// The value of `t` (a graph input GraphProgram::FeedsAsIs accepted: a
+// contiguous tensor over its whole storage, of the storage's element type)
+// in the region being built: the storage's current value if the region
+// defined or wrote it, else its buffer as a new parameter, first used as
+// `use`. This is what ProgramBuilder::ReadTensor does for a whole-storage
+// view (the same StorageState bookkeeping), kept here because that method
+// is private to compiled_op.cpp.
+hlo::Value ReadWholeStorage(ProgramBuilder& pb, const at::Tensor& t, const InputSlot& use) {
+  const DeviceStorage* s = &StorageOf(t);
+  const hlo::ElementType element = lowering::ToElementType(t.scalar_type());
+  ProgramBuilder::StorageState* st = nullptr;
+  for (auto& known : pb.storages)
+    if (known.storage == s) st = &known;
+  if (!st) {
+    pb.storages.push_back({s, use, element, Capacity(t.numel()), std::nullopt, std::nullopt});
+    st = &pb.storages.back();
+  }
+  hlo::Value flat;
+  if (st->current) {
+    flat = *st->current;
+  } else {
+    if (!st->param) {
+      if (pb.b.num_parameters() != pb.inputs.size())
+        throw std::logic_error("fused region: parameters and inputs out of step");
+      st->input_index = static_cast<int32_t>(pb.inputs.size());
+      st->param = pb.b.Parameter(hlo::TensorType{st->element, {st->numel}});
+      InputSlot slot = st->first_use;
+      slot.kind = InputSlot::Kind::kStorage;
+      slot.element = st->element;
+      pb.inputs.push_back(slot);
+    }
+    flat = *st->param;
+  }
+  if (flat.element() != element)
+    throw std::logic_error("fused region: graph input of " + hlo::TensorType{element, {}}.ToString() +
+                           " over a storage of " + flat.type.ToString());
+  return pb.b.Reshape(lowering::ResizeFlat(pb.b, flat, t.numel()), t.sizes().vec());
+}
+
+// From here on `t`'s storage (a graph input read by ReadWholeStorage) holds
+// `value` (AOTAutograd's new value of a mutated input, written in place).
+void WriteWholeStorage(ProgramBuilder& pb, const at::Tensor& t, const hlo::Value& value) {
+  const DeviceStorage* s = &StorageOf(t);
+  for (auto& st : pb.storages)
+    if (st.storage == s) {
+      int64_t dims[] = {t.numel()};
+      st.current = lowering::ResizeFlat(pb.b, pb.b.Reshape(value, dims), st.numel);
+      return;
+    }
+  throw std::logic_error("fused region: a graph writes a storage it did not read");
+}
 
 // A storage created by the region: a new output tensor of call `call`.
 struct CreatedStorage {
@@ -165,7 +241,7 @@ class FusedExecutor {
 
     RecordedCall rc{op, eager,
                     std::vector<c10::IValue>(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end()),
-                    c10::get_default_dtype()};
+                    c10::get_default_dtype(), nullptr, {}};
     // CPU tensors among the arguments (0-d runtime scalars: a tensor
     // learning rate) are read when the region runs: copy their values now,
     // as the call would have read them (an LR scheduler's fill_ before the
@@ -211,6 +287,64 @@ class FusedExecutor {
     if (!at_loop_boundary_ && calls_.size() >= MaxOps()) FlushLocked(Cause::kSizeBound);
   }
 
+  // A compiled graph's launch as one call (RecordGraphCall).
+  std::vector<at::Tensor> RecordGraph(std::shared_ptr<GraphProgram> graph, const std::vector<at::Tensor>& given) {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    const int device_index = graph->CheckInputs(given);
+    // Inputs the program cannot take as they are (views, conjugate bits, a
+    // buffer of another capacity) are copied contiguous first: recorded
+    // clones, before the graph call.
+    std::vector<at::Tensor> inputs(given.size());
+    for (size_t i = 0; i < given.size(); ++i)
+      inputs[i] = graph->FeedsAsIs(static_cast<int>(i), given[i]) ? given[i]
+                                                                    : at::clone(given[i], at::MemoryFormat::Contiguous);
+    if (at_loop_boundary_) FlushLocked(Cause::kLoop);
+    if (!calls_.empty() && device_index != region_device_) FlushLocked(Cause::kSync);
+    region_device_ = device_index;
+
+    RecordedCall rc{std::nullopt, nullptr, {}, c10::get_default_dtype(), graph, {}};
+    rc.args.assign(inputs.begin(), inputs.end());
+    // A donated input's new value is written into its storage, as the launch
+    // does when it donates (the output is the input tensor itself), where
+    // the input is fed as it is and once; else the output is a new tensor
+    // and AOTAutograd's copy_ applies the mutation.
+    for (const auto& [input, output] : graph->donations()) {
+      const at::Tensor& t = inputs[static_cast<size_t>(input)];
+      bool once = t.is_same(given[static_cast<size_t>(input)]);
+      for (size_t j = 0; j < inputs.size() && once; ++j)
+        if (static_cast<int>(j) != input && &StorageOf(inputs[j]) == &StorageOf(t)) once = false;
+      rc.applied.push_back(once);
+    }
+    const int32_t call = static_cast<int32_t>(calls_.size());
+    call_key_begin_.push_back(key_.size());
+    AppendGraphKey(rc, key_, ids_);
+
+    const auto& specs = graph->output_specs();
+    std::vector<at::Tensor> computed(specs.size());
+    for (size_t d = 0; d < rc.applied.size(); ++d)
+      if (rc.applied[d])
+        computed[static_cast<size_t>(graph->donations()[d].second)] = given[static_cast<size_t>(graph->donations()[d].first)];
+    for (size_t k = 0; k < specs.size(); ++k) {
+      if (computed[k].defined()) continue;
+      c10::DeviceGuard guard(c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_index)));
+      at::Tensor t = at::detail::empty_generic(specs[k].sizes, c10::GetAllocator(c10::DeviceType::PrivateUse1),
+                                               c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), specs[k].dtype,
+                                               std::nullopt);
+      DeviceStorage& ds = StorageOf(t);
+      hlo::ElementType e = lowering::ToElementType(specs[k].dtype);
+      ds.MarkPending(e, Capacity(t.numel()));
+      key_.push_back(-1 - ids_.Id(&ds));  // created here
+      created_.push_back({c10::weak_intrusive_ptr<c10::StorageImpl>(t.storage().getWeakStorageImpl()), &ds, e,
+                          Capacity(t.numel()), call, static_cast<int16_t>(k)});
+      computed[k] = std::move(t);
+    }
+    calls_.push_back(std::move(rc));
+    SetPendingWork(true);
+    if (CurrentMode() == EagerMode::kFused && LoopsEnabled()) ObserveLoop(GraphSignature(*graph));
+    if (!at_loop_boundary_ && calls_.size() >= MaxOps()) FlushLocked(Cause::kSizeBound);
+    return computed;
+  }
+
   void Flush() {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     FlushLocked(Cause::kSync);
@@ -235,6 +369,17 @@ class FusedExecutor {
       if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().type() == c10::DeviceType::PrivateUse1)
         return v.toTensor().device().index();
     return c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->getDevice().index();
+  }
+
+  // A graph call's key atoms: the graph's uid (which determines its
+  // program, inputs and outputs), each input's storage number (inputs are
+  // whole storages of the graph's types: FeedsAsIs), which donations write
+  // in place. Its created storages follow, as for an ATen call.
+  static void AppendGraphKey(const RecordedCall& rc, std::vector<int64_t>& key, StorageIds& ids) {
+    key.push_back(kGraphCallAtom);
+    key.push_back(static_cast<int64_t>(rc.graph->uid()));
+    for (const auto& v : rc.args) key.push_back(ids.Id(&StorageOf(v.toTensor())));
+    for (bool a : rc.applied) key.push_back(a ? 1 : 0);
   }
 
   enum class Cause {
@@ -291,8 +436,12 @@ class FusedExecutor {
       RecordedCall& rc = rest[c];
       c10::set_default_dtype(rc.default_dtype);  // the call's key records it
       call_key_begin_.push_back(key_.size());
-      key_.push_back(reinterpret_cast<int64_t>(&rc.op.schema()));
-      AppendCallKey(rc.op, rc.args, 0, *rc.eager->entry, key_, ids_);
+      if (rc.graph) {
+        AppendGraphKey(rc, key_, ids_);
+      } else {
+        key_.push_back(reinterpret_cast<int64_t>(&rc.op->schema()));
+        AppendCallKey(*rc.op, rc.args, 0, *rc.eager->entry, key_, ids_);
+      }
       while (next_created < rest_created.size() &&
              rest_created[next_created].call == static_cast<int32_t>(n + c)) {
         CreatedStorage cs = rest_created[next_created++];
@@ -441,7 +590,9 @@ class FusedExecutor {
   // after all). Counts the compile otherwise.
   bool Churning() {
     size_t structure = calls_.size();
-    for (const auto& rc : calls_) structure = c10::hash_combine(structure, std::hash<const void*>()(&rc.op.schema()));
+    for (const auto& rc : calls_)
+      structure = c10::hash_combine(structure, rc.graph ? std::hash<uint64_t>()(rc.graph->uid())
+                                                        : std::hash<const void*>()(&rc.op->schema()));
     if (structures_.size() >= kMaxStructures) {
       structures_.clear();
       op_by_op_keys_.clear();
@@ -529,7 +680,11 @@ class FusedExecutor {
     for (size_t c = 0; c < calls_.size(); ++c) {
       const RecordedCall& rc = calls_[c];
       c10::set_default_dtype(rc.default_dtype);
-      auto values = pb.AddCall(static_cast<int32_t>(c), rc.op, rc.args, 0, *rc.eager->entry, rc.eager->spec);
+      if (rc.graph) {
+        AddGraphCall(pb, static_cast<int32_t>(c), rc, next_created);
+        continue;
+      }
+      auto values = pb.AddCall(static_cast<int32_t>(c), *rc.op, rc.args, 0, *rc.eager->entry, rc.eager->spec);
       for (size_t r = 0; r < values.size(); ++r) {
         if (!values[r]) continue;
         const CreatedStorage& cs = created_[next_created++];
@@ -564,6 +719,51 @@ class FusedExecutor {
     region->inputs = std::move(pb.inputs);
     region->executable = CompileModule("fused region of " + std::to_string(calls_.size()) + " ops", pb.b.Module());
     return region;
+  }
+
+  // Lowers graph call `c` into the region: its inputs read from their
+  // storages, its random ops' states as runtime inputs (drawn at the launch,
+  // in program order), its body emitted inline, its outputs defined as the
+  // created storages (from created_[next_created]) or written into donated
+  // inputs' storages.
+  void AddGraphCall(ProgramBuilder& pb, int32_t c, const RecordedCall& rc, size_t& next_created) {
+    const GraphProgram& g = *rc.graph;
+    std::vector<hlo::Value> inputs;
+    inputs.reserve(rc.args.size());
+    for (size_t k = 0; k < rc.args.size(); ++k) {
+      InputSlot use;
+      use.kind = InputSlot::Kind::kStorage;
+      use.call = c;
+      use.arg = static_cast<int16_t>(k);
+      inputs.push_back(ReadWholeStorage(pb, rc.args[k].toTensor(), use));
+    }
+    std::vector<hlo::Value> rng;
+    for (int64_t increment : g.rng_increments()) {
+      if (pb.b.num_parameters() != pb.inputs.size()) throw std::logic_error("fused region: parameters and inputs out of step");
+      rng.push_back(pb.b.Parameter(hlo::TensorType{hlo::ElementType::kU64, {2}}));
+      InputSlot slot;
+      slot.kind = InputSlot::Kind::kRng;
+      slot.call = c;
+      slot.arg = -1;  // the device's default generator, as the graph's own launch
+      slot.element = hlo::ElementType::kU64;
+      slot.rng_increment = increment;
+      pb.inputs.push_back(slot);
+    }
+    std::vector<hlo::Value> outs = g.EmitInto(pb.b, inputs, rng);
+    std::vector<int> written(outs.size(), -1);  // program output -> input whose storage takes it
+    for (size_t d = 0; d < rc.applied.size(); ++d)
+      if (rc.applied[d]) written[static_cast<size_t>(g.donations()[d].second)] = g.donations()[d].first;
+    for (size_t k = 0; k < outs.size(); ++k) {
+      if (written[k] >= 0) {
+        WriteWholeStorage(pb, rc.args[static_cast<size_t>(written[k])].toTensor(), outs[k]);
+        continue;
+      }
+      const CreatedStorage& cs = created_[next_created++];
+      if (cs.call != c || cs.ret != static_cast<int16_t>(k))
+        throw std::logic_error("fused region: graph outputs and created storages out of step");
+      int64_t dims[] = {outs[k].type.numel()};
+      pb.Define(cs.device_storage, cs.element, cs.numel, lowering::ResizeFlat(pb.b, pb.b.Reshape(outs[k], dims), cs.numel));
+    }
   }
 
   void Run(const CompiledRegion& region, const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& alive) {
@@ -610,6 +810,10 @@ class FusedExecutor {
   void RunOneByOne(const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& alive) {
     size_t next_created = 0;
     for (auto& rc : calls_) {
+      if (rc.graph) {
+        RunGraphAlone(rc, next_created);
+        continue;
+      }
       torch::jit::Stack stack(rc.args.begin(), rc.args.end());
       std::vector<at::Tensor> outputs = Launch(*rc.eager, stack, rc.args.size());
       size_t k = 0;
@@ -620,6 +824,33 @@ class FusedExecutor {
       }
     }
     (void)alive;
+  }
+
+  // A graph call of a region run op by op: the graph's own program, its
+  // outputs given to the storages the recording handed out.
+  void RunGraphAlone(const RecordedCall& rc, size_t& next_created) {
+    GraphProgram& g = *rc.graph;
+    std::vector<at::Tensor> inputs;
+    inputs.reserve(rc.args.size());
+    for (size_t k = 0; k < rc.args.size(); ++k) {
+      inputs.push_back(rc.args[k].toTensor());
+      // Recording checked it; a copy now would record into this region.
+      if (!g.FeedsAsIs(static_cast<int>(k), inputs.back()))
+        throw std::logic_error("fused region: graph " + g.name() + " input " + std::to_string(k) +
+                               " changed layout before the region ran");
+    }
+    std::vector<at::Tensor> outs = g.Launch(inputs);
+    std::vector<int> written(outs.size(), -1);
+    for (size_t d = 0; d < rc.applied.size(); ++d)
+      if (rc.applied[d]) written[static_cast<size_t>(g.donations()[d].second)] = g.donations()[d].first;
+    for (size_t k = 0; k < outs.size(); ++k) {
+      if (written[k] >= 0) {
+        const at::Tensor& input = inputs[static_cast<size_t>(written[k])];
+        if (!outs[k].is_same(input)) StorageOf(input).Set(StorageOf(outs[k]).current());  // not donated: copy in
+        continue;
+      }
+      created_[next_created++].device_storage->Set(StorageOf(outs[k]).current());
+    }
   }
 
   std::recursive_mutex mutex_;
@@ -674,6 +905,10 @@ void FlushFusedRegion() {
 
 void ClearFusedRegionCache() {
   if (FusedExecutor* e = instance.load()) e->ClearCache();
+}
+
+std::vector<at::Tensor> RecordGraphCall(std::shared_ptr<GraphProgram> graph, const std::vector<at::Tensor>& inputs) {
+  return Fused().RecordGraph(std::move(graph), inputs);
 }
 
 size_t FusedRegionSize() {

@@ -5,6 +5,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
@@ -12,6 +13,7 @@
 #include "lowering/helpers.h"
 #include "runtime/compiled_op.h"
 #include "runtime/disk_cache.h"
+#include "runtime/executor.h"
 #include "runtime/runtime.h"
 
 namespace torch_tpu::runtime {
@@ -68,7 +70,11 @@ hlo::Value ScalarConstant(hlo::Builder& b, const c10::Scalar& s, bool has_f64, h
 
 }  // namespace
 
-GraphProgram::GraphProgram(std::string name) : name_(std::move(name)) {}
+namespace {
+std::atomic<uint64_t> next_uid{1};
+}  // namespace
+
+GraphProgram::GraphProgram(std::string name) : name_(std::move(name)), uid_(next_uid.fetch_add(1)) {}
 GraphProgram::~GraphProgram() = default;
 
 bool GraphProgram::HasLowering(const std::string& qualified_name) {
@@ -80,14 +86,8 @@ bool GraphProgram::HasLowering(const std::string& qualified_name) {
   return lowering::FindLowering(BaseName(op->schema())) != nullptr;
 }
 
-const GraphProgram::ValueInfo& GraphProgram::ValueAt(int id, const std::string& op) const {
-  if (id < 0 || id >= static_cast<int>(values_.size()))
-    throw GraphUnsupported(op + ": argument refers to unknown graph value " + std::to_string(id));
-  return values_[static_cast<size_t>(id)];
-}
-
 int GraphProgram::AddInput(at::ScalarType dtype, const std::vector<int64_t>& sizes) {
-  if (executable_) throw std::logic_error("GraphProgram: AddInput after Compile");
+  if (executable_ || !module_text_.empty()) throw std::logic_error("GraphProgram: AddInput after Compile");
   InputInfo in;
   in.dtype = dtype;
   in.sizes = sizes;
@@ -105,6 +105,7 @@ int GraphProgram::AddInput(at::ScalarType dtype, const std::vector<int64_t>& siz
   v.value = builder_.Reshape(lowering::ResizeFlat(builder_, p, in.numel), sizes);
   v.dtype = dtype;
   v.input = static_cast<int>(inputs_.size());
+  steps_.push_back(-1 - static_cast<int>(inputs_.size()));
   inputs_.push_back(std::move(in));
   values_.push_back(std::move(v));
   return static_cast<int>(values_.size() - 1);
@@ -124,7 +125,7 @@ std::vector<int> GraphProgram::AddCall(const std::string& qualified_name, std::v
 
 std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vector<GraphArg> args,
                                        const std::vector<lowering::OutputSpec>& outputs) {
-  if (executable_) throw std::logic_error("GraphProgram: AddCall after Compile");
+  if (executable_ || !module_text_.empty()) throw std::logic_error("GraphProgram: AddCall after Compile");
   const auto& schema = op.schema();
   const std::string op_name = OpName(schema);
   const lowering::LoweringEntry* entry = lowering::FindLowering(BaseName(schema));
@@ -148,11 +149,55 @@ std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vecto
     args.push_back(std::move(d));
   }
 
+  // Returns: one spec per returned tensor (ops returning Tensor[] any number).
+  const auto& returns = schema.returns();
+  bool list_return = returns.size() == 1 && returns[0].type()->kind() == c10::TypeKind::ListType;
+  if (!list_return) {
+    for (const auto& r : returns)
+      if (r.type()->kind() != c10::TypeKind::TensorType)
+        throw GraphUnsupported(op_name + " returns a " + r.type()->str() + ", not a Tensor");
+    if (returns.size() != outputs.size())
+      throw GraphUnsupported(op_name + ": " + std::to_string(outputs.size()) + " output specs for " +
+                             std::to_string(returns.size()) + " returns");
+  }
+
+  CallRecord call{op, entry, std::move(args), outputs, c10::get_default_dtype()};
+  std::optional<hlo::Value> rng_state;
+  if (entry->traits.needs_rng) rng_state = builder_.Parameter(hlo::TensorType{hlo::ElementType::kU64, {2}});
+  std::vector<int> ids = LowerCall(builder_, values_, call, rng_state);
+  if (entry->traits.needs_rng) {
+    params_.push_back({true, static_cast<int>(rng_increments_.size())});
+    rng_increments_.push_back(lowering::LoweringContext::RngIncrement(outputs));
+  }
+  steps_.push_back(static_cast<int>(calls_.size()));
+  calls_.push_back(std::move(call));
+  ++num_calls_;
+  return ids;
+}
+
+const GraphProgram::ValueInfo& GraphProgram::ValueAt(const std::vector<ValueInfo>& values, int id,
+                                                     const std::string& op) {
+  if (id < 0 || id >= static_cast<int>(values.size()))
+    throw GraphUnsupported(op + ": argument refers to unknown graph value " + std::to_string(id));
+  return values[static_cast<size_t>(id)];
+}
+
+std::vector<int> GraphProgram::LowerCall(hlo::Builder& b, std::vector<ValueInfo>& values, const CallRecord& call,
+                                         std::optional<hlo::Value> rng_state) {
+  const auto& schema = call.op.schema();
+  const std::string op_name = OpName(schema);
+  const lowering::LoweringEntry* entry = call.entry;
+  const auto& sargs = schema.arguments();
+  const auto& outputs = call.outputs;
+  std::vector<size_t> positions;
+  for (size_t i = 0; i < sargs.size(); ++i)
+    if (!IsOutArg(sargs[i])) positions.push_back(i);
+
   bool has_f64 = false;
-  for (const auto& ga : args) {
+  for (const auto& ga : call.args) {
     auto check = [&](int id) {
       if (id < 0) return;
-      const auto& v = ValueAt(id, op_name);
+      const auto& v = ValueAt(values, id, op_name);
       if (v.dtype == at::kDouble && v.value.rank() > 0) has_f64 = true;
     };
     if (ga.kind == GraphArg::Kind::kValue) check(ga.id);
@@ -160,10 +205,10 @@ std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vecto
       for (int id : ga.list) check(id);
   }
 
-  lowering::LoweringContext ctx(builder_, schema);
+  lowering::LoweringContext ctx(b, schema);
   for (size_t k = 0; k < positions.size(); ++k) {
     const c10::Argument& a = sargs[positions[k]];
-    const GraphArg& ga = args[k];
+    const GraphArg& ga = call.args[k];
     LoweredArg la;
     la.name = a.name();
     switch (ga.kind) {
@@ -172,7 +217,7 @@ std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vecto
         la.ivalue = c10::IValue();
         break;
       case GraphArg::Kind::kValue: {
-        const ValueInfo& v = ValueAt(ga.id, op_name);
+        const ValueInfo& v = ValueAt(values, ga.id, op_name);
         la.value = v.value;
         la.dtype = v.dtype;
         la.kind = IsScalarType(a.type()) ? LoweredArg::Kind::kScalar : LoweredArg::Kind::kTensor;
@@ -185,7 +230,7 @@ std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vecto
             la.list.push_back(hlo::Value{});
             la.present.push_back(false);
           } else {
-            la.list.push_back(ValueAt(id, op_name).value);
+            la.list.push_back(ValueAt(values, id, op_name).value);
             la.present.push_back(true);
           }
         }
@@ -208,7 +253,7 @@ std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vecto
           // Python numbers: 0-d constants, as eager's 0-d runtime scalars.
           hlo::ElementType e;
           la.kind = LoweredArg::Kind::kScalar;
-          la.value = ScalarConstant(builder_, c.toScalar(), has_f64, &e);
+          la.value = ScalarConstant(b, c.toScalar(), has_f64, &e);
           la.dtype = lowering::ToScalarType(e);
           la.wrapped_number = true;
         } else {
@@ -220,24 +265,10 @@ std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vecto
     }
     ctx.args.push_back(std::move(la));
   }
-
-  // Returns: one spec per returned tensor (ops returning Tensor[] any number).
-  const auto& returns = schema.returns();
-  bool list_return = returns.size() == 1 && returns[0].type()->kind() == c10::TypeKind::ListType;
-  if (!list_return) {
-    for (const auto& r : returns)
-      if (r.type()->kind() != c10::TypeKind::TensorType)
-        throw GraphUnsupported(op_name + " returns a " + r.type()->str() + ", not a Tensor");
-    if (returns.size() != outputs.size())
-      throw GraphUnsupported(op_name + ": " + std::to_string(outputs.size()) + " output specs for " +
-                             std::to_string(returns.size()) + " returns");
-  }
   ctx.outputs = outputs;
-
-  int64_t rng_increment = 0;
   if (entry->traits.needs_rng) {
-    ctx.rng_state_value = builder_.Parameter(hlo::TensorType{hlo::ElementType::kU64, {2}});
-    rng_increment = lowering::LoweringContext::RngIncrement(outputs);
+    if (!rng_state) throw std::logic_error("GraphProgram: " + op_name + " lowered without its random state");
+    ctx.rng_state_value = *rng_state;
   }
 
   if (!lowering::ComplexSupported(*entry, ctx)) throw GraphUnsupported(op_name + ": no complex lowering");
@@ -253,10 +284,6 @@ std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vecto
   if (results.size() != outputs.size())
     throw GraphUnsupported("lowering of " + op_name + " returned " + std::to_string(results.size()) +
                            " values for " + std::to_string(outputs.size()) + " outputs");
-  if (entry->traits.needs_rng) {
-    params_.push_back({true, static_cast<int>(rng_increments_.size())});
-    rng_increments_.push_back(rng_increment);
-  }
 
   std::vector<int> ids;
   for (size_t r = 0; r < outputs.size(); ++r) {
@@ -267,10 +294,9 @@ std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vecto
     }
     hlo::Value v;
     try {
-      v = lowering::Cast(builder_, results[r], spec.dtype);
+      v = lowering::Cast(b, results[r], spec.dtype);
       if (v.dims() != spec.sizes) {
-        v = Numel(spec.sizes) == v.type.numel() ? builder_.Reshape(v, spec.sizes)
-                                                : lowering::BroadcastTo(builder_, v, spec.sizes);
+        v = Numel(spec.sizes) == v.type.numel() ? b.Reshape(v, spec.sizes) : lowering::BroadcastTo(b, v, spec.sizes);
       }
     } catch (const std::exception& e) {
       throw GraphUnsupported(op_name + ": result " + std::to_string(r) + " of type " + results[r].type.ToString() +
@@ -279,11 +305,56 @@ std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vecto
     ValueInfo info;
     info.value = std::move(v);
     info.dtype = spec.dtype;
-    values_.push_back(std::move(info));
-    ids.push_back(static_cast<int>(values_.size() - 1));
+    values.push_back(std::move(info));
+    ids.push_back(static_cast<int>(values.size() - 1));
   }
-  ++num_calls_;
   return ids;
+}
+
+std::vector<hlo::Value> GraphProgram::EmitInto(hlo::Builder& b, std::span<const hlo::Value> inputs,
+                                               std::span<const hlo::Value> rng) const {
+  if (!outputs_set_) throw std::logic_error("GraphProgram: EmitInto before SetOutputs");
+  if (inputs.size() != inputs_.size() || rng.size() != rng_increments_.size())
+    throw std::invalid_argument("tpu graph " + name_ + ": EmitInto with " + std::to_string(inputs.size()) +
+                                " inputs and " + std::to_string(rng.size()) + " random states for " +
+                                std::to_string(inputs_.size()) + " and " + std::to_string(rng_increments_.size()));
+  // Each call is lowered under the default dtype it was added with.
+  struct RestoreDefault {
+    caffe2::TypeMeta dtype;
+    ~RestoreDefault() { c10::set_default_dtype(dtype); }
+  } restore{c10::get_default_dtype()};
+  std::vector<ValueInfo> values;
+  values.reserve(values_.size());
+  size_t next_rng = 0;
+  for (int step : steps_) {
+    if (step < 0) {
+      const int input = -1 - step;
+      const InputInfo& info = inputs_[static_cast<size_t>(input)];
+      const hlo::Value& v = inputs[static_cast<size_t>(input)];
+      if (v.element() != info.element || v.dims() != info.sizes)
+        throw std::invalid_argument("tpu graph " + name_ + ": EmitInto input " + std::to_string(input) + " is " +
+                                    v.type.ToString() + ", the graph expects " + c10::toString(info.dtype) +
+                                    c10::str(info.sizes));
+      ValueInfo vi;
+      vi.value = v;
+      vi.dtype = info.dtype;
+      vi.input = input;
+      values.push_back(std::move(vi));
+      continue;
+    }
+    const CallRecord& call = calls_[static_cast<size_t>(step)];
+    c10::set_default_dtype(call.default_dtype);
+    std::optional<hlo::Value> rng_state;
+    if (call.entry->traits.needs_rng) rng_state = rng[next_rng++];
+    LowerCall(b, values, call, rng_state);
+  }
+  if (values.size() != values_.size())
+    throw std::logic_error("tpu graph " + name_ + ": EmitInto made " + std::to_string(values.size()) +
+                           " values, the graph has " + std::to_string(values_.size()));
+  std::vector<hlo::Value> results;
+  results.reserve(computed_ids_.size());
+  for (int id : computed_ids_) results.push_back(values[static_cast<size_t>(id)].value);
+  return results;
 }
 
 void GraphProgram::SetOutputs(const std::vector<int>& ids) {
@@ -291,7 +362,7 @@ void GraphProgram::SetOutputs(const std::vector<int>& ids) {
   std::vector<hlo::Value> program_results;
   std::vector<int> computed_ids;  // value id per program output
   for (int id : ids) {
-    const ValueInfo& v = ValueAt(id, "graph output");
+    const ValueInfo& v = ValueAt(values_, id, "graph output");
     ResultSlot slot;
     if (v.input >= 0) {
       slot.kind = ResultSlot::Kind::kInput;
@@ -312,6 +383,7 @@ void GraphProgram::SetOutputs(const std::vector<int>& ids) {
     results_.push_back(slot);
   }
   output_ids_ = ids;
+  computed_ids_ = computed_ids;
   builder_.Return(program_results);
   outputs_set_ = true;
 }
@@ -376,16 +448,11 @@ void GraphProgram::Compile() {
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
-std::vector<at::Tensor> GraphProgram::Run(const std::vector<at::Tensor>& inputs) {
-  if (!executable_) Compile();
-  auto& rt = Runtime::Get();
+int GraphProgram::CheckInputs(const std::vector<at::Tensor>& inputs) const {
   if (inputs.size() != inputs_.size())
     throw std::invalid_argument("tpu graph " + name_ + ": expected " + std::to_string(inputs_.size()) +
                                 " inputs, got " + std::to_string(inputs.size()));
   int device_index = -1;
-  // Contiguous whole-storage versions of the inputs (kept alive until the
-  // launch has been enqueued; PJRT holds the buffers afterwards).
-  std::vector<at::Tensor> dense(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     const at::Tensor& t = inputs[i];
     const InputInfo& info = inputs_[i];
@@ -396,18 +463,68 @@ std::vector<at::Tensor> GraphProgram::Run(const std::vector<at::Tensor>& inputs)
                                   c10::toString(t.scalar_type()) + c10::str(t.sizes()) + ", the graph expects " +
                                   c10::toString(info.dtype) + c10::str(info.sizes));
     if (device_index < 0) device_index = t.device().index();
-    const DeviceStorage& s = StorageOf(t);
-    int64_t storage_numel = s.initialized() ? s.current().numel
-                                            : Capacity(static_cast<int64_t>(s.nbytes() / ElementSize(info.element)));
-    // A conjugate/negative view holds other values than its storage's: the
-    // clone materializes them.
-    bool whole = t.is_contiguous() && t.storage_offset() == 0 && storage_numel == Capacity(info.numel) &&
-                 static_cast<int64_t>(s.nbytes()) == info.numel * static_cast<int64_t>(ElementSize(info.element)) &&
-                 (!s.initialized() || s.current().element == info.element) && !t.is_conj() && !t.is_neg();
-    dense[i] = whole ? t : at::clone(t, at::MemoryFormat::Contiguous);
+    if (t.device().index() != device_index)
+      throw std::invalid_argument("tpu graph " + name_ + ": input " + std::to_string(i) + " is on " +
+                                  t.device().str() + ", input 0 on tpu:" + std::to_string(device_index) +
+                                  " (a graph runs on one device)");
   }
   if (device_index < 0)
     device_index = c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->getDevice().index();
+  return device_index;
+}
+
+bool GraphProgram::FeedsAsIs(int input, const at::Tensor& t) const {
+  const InputInfo& info = inputs_.at(static_cast<size_t>(input));
+  const DeviceStorage& s = StorageOf(t);
+  int64_t storage_numel =
+      s.initialized() ? s.current().numel : Capacity(static_cast<int64_t>(s.nbytes() / ElementSize(info.element)));
+  // A conjugate/negative view holds other values than its storage's: the
+  // clone materializes them.
+  return t.is_contiguous() && t.storage_offset() == 0 && storage_numel == Capacity(info.numel) &&
+         static_cast<int64_t>(s.nbytes()) == info.numel * static_cast<int64_t>(ElementSize(info.element)) &&
+         (!s.initialized() || s.current().element == info.element) && !t.is_conj() && !t.is_neg();
+}
+
+namespace {
+// TORCH_TPU_FUSED_GRAPHS=0: in fused eager mode a compiled graph is a sync
+// point of the region and launches by itself (as before graph calls joined
+// regions).
+bool FusedGraphsEnabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("TORCH_TPU_FUSED_GRAPHS");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+}  // namespace
+
+std::vector<at::Tensor> GraphProgram::Run(const std::vector<at::Tensor>& inputs) {
+  if (!executable_) Compile();  // also the op-by-op fallback of a region holding the graph
+  std::vector<at::Tensor> computed;
+  std::shared_ptr<GraphProgram> self = weak_from_this().lock();
+  if (self && CurrentMode() == EagerMode::kFused && FusedGraphsEnabled()) {
+    computed = RecordGraphCall(self, inputs);
+  } else {
+    CheckInputs(inputs);
+    computed = Launch(inputs);
+  }
+  std::vector<at::Tensor> results;
+  results.reserve(results_.size());
+  for (const auto& r : results_)
+    results.push_back(r.kind == ResultSlot::Kind::kInput ? inputs[static_cast<size_t>(r.index)]
+                                                         : computed[static_cast<size_t>(r.index)]);
+  return results;
+}
+
+std::vector<at::Tensor> GraphProgram::Launch(const std::vector<at::Tensor>& inputs) {
+  if (!executable_) Compile();
+  auto& rt = Runtime::Get();
+  const int device_index = CheckInputs(inputs);
+  // Contiguous whole-storage versions of the inputs (kept alive until the
+  // launch has been enqueued; PJRT holds the buffers afterwards).
+  std::vector<at::Tensor> dense(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i)
+    dense[i] = FeedsAsIs(static_cast<int>(i), inputs[i]) ? inputs[i] : at::clone(inputs[i], at::MemoryFormat::Contiguous);
 
   // The graph runs after every call recorded before it: a fused region may
   // still hold writes to these inputs (an optimizer step updating the
@@ -489,13 +606,7 @@ std::vector<at::Tensor> GraphProgram::Run(const std::vector<at::Tensor>& inputs)
     StorageOf(inputs[static_cast<size_t>(input)]).Set(StorageOf(computed[static_cast<size_t>(result)]).current());
     computed[static_cast<size_t>(result)] = inputs[static_cast<size_t>(input)];
   }
-
-  std::vector<at::Tensor> results;
-  results.reserve(results_.size());
-  for (const auto& r : results_)
-    results.push_back(r.kind == ResultSlot::Kind::kInput ? inputs[static_cast<size_t>(r.index)]
-                                                         : computed[static_cast<size_t>(r.index)]);
-  return results;
+  return computed;
 }
 
 }  // namespace torch_tpu::runtime

@@ -11,14 +11,23 @@
 // compiled_op.cpp does for new outputs. Random ops (traits.needs_rng) get a
 // tensor<2xui64> (seed, offset) input each, drawn from the tpu generator at
 // run time.
+//
+// In fused eager mode a launch is not a sync point: Run records the graph as
+// ONE call of the fused region (RecordGraphCall, fused_executor.cpp) and the
+// region re-emits the graph's calls into its own module (EmitInto: the same
+// lowering code as AddCall), so the eager calls between graphs (a loss, an
+// optimizer step) and the graphs make one program (docs/design.md,
+// "Programs per training step").
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
 
+#include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -51,7 +60,7 @@ struct GraphArg {
   c10::IValue constant;
 };
 
-class GraphProgram {
+class GraphProgram : public std::enable_shared_from_this<GraphProgram> {
  public:
   explicit GraphProgram(std::string name = "graph");
   ~GraphProgram();
@@ -93,11 +102,58 @@ class GraphProgram {
   bool compiled() const { return executable_ != nullptr; }
 
   // Runs the program: `inputs` in AddInput order (tpu tensors of the
-  // declared dtypes and sizes; others than contiguous whole-storage tensors
-  // are copied contiguous first). Returns one tensor per SetOutputs id:
-  // outputs that are inputs return the input tensor itself, repeated ids the
-  // same tensor. Asynchronous: errors surface at the next sync point.
+  // declared dtypes and sizes, all on one device; others than contiguous
+  // whole-storage tensors are copied contiguous first). Returns one tensor
+  // per SetOutputs id: outputs that are inputs return the input tensor
+  // itself, repeated ids the same tensor. Asynchronous: errors surface at
+  // the next sync point. In fused eager mode (unless
+  // TORCH_TPU_FUSED_GRAPHS=0, or the program is not owned by a shared_ptr)
+  // the launch is recorded as one call of the fused region and the outputs
+  // are pending tensors; otherwise the recorded region runs first and the
+  // program is launched by itself (Launch). Throws std::invalid_argument
+  // for inputs of another count, dtype, size or device.
   std::vector<at::Tensor> Run(const std::vector<at::Tensor>& inputs);
+
+  // The program launched by itself, now: the recorded fused region (if
+  // any) runs first. Returns one tensor per program output (output_specs()
+  // order; a donated input's output is the input tensor itself when the
+  // donation applied, else a new tensor).
+  std::vector<at::Tensor> Launch(const std::vector<at::Tensor>& inputs);
+
+  // Validates `inputs` as Run does; returns their device index (the current
+  // device for a graph without inputs).
+  int CheckInputs(const std::vector<at::Tensor>& inputs) const;
+  // Whether `t` can be fed as input `input` as it is: a contiguous tensor
+  // covering its whole storage, whose buffer has the input's element type
+  // and capacity (Run copies other tensors contiguous first).
+  bool FeedsAsIs(int input, const at::Tensor& t) const;
+
+  // Emits the graph's calls into `b` (another module: a fused region's),
+  // with the lowering code AddCall uses. `inputs`: one value per graph
+  // input (its declared dtype's element type and sizes); `rng`: one
+  // tensor<2xui64> (seed, offset) value per random op (num_rng_ops(), in
+  // rng_increments() order). Returns one value per program output, of
+  // output_specs()' dtypes and sizes. Throws GraphUnsupported where a
+  // lowering declines (it accepted the same call in AddCall).
+  std::vector<hlo::Value> EmitInto(hlo::Builder& b, std::span<const hlo::Value> inputs,
+                                   std::span<const hlo::Value> rng) const;
+
+  // What a Run result is: a program output (kComputed) or an input as it is.
+  struct ResultSlot {
+    enum class Kind : uint8_t { kComputed, kInput } kind = Kind::kComputed;
+    int index = 0;  // program output index, or input index
+  };
+  const std::vector<ResultSlot>& results() const { return results_; }
+  // Per program output: dtype and sizes.
+  const std::vector<lowering::OutputSpec>& output_specs() const { return output_specs_; }
+  // (input, program output) pairs DonateInput accepted.
+  const std::vector<std::pair<int, int>>& donations() const { return donations_; }
+  // Values each random op draws (the generator offset's advance), in order.
+  const std::vector<int64_t>& rng_increments() const { return rng_increments_; }
+  at::ScalarType input_dtype(int input) const { return inputs_.at(static_cast<size_t>(input)).dtype; }
+  // A number no other GraphProgram of the process has (a fused region's key
+  // names the graph by it: an address could be reused by a later program).
+  uint64_t uid() const { return uid_; }
 
   const std::string& module_text() const { return module_text_; }
   const std::string& name() const { return name_; }
@@ -120,20 +176,29 @@ class GraphProgram {
     bool rng = false;
     int index = 0;
   };
-  // What each Run() result is.
-  struct ResultSlot {
-    enum class Kind : uint8_t { kComputed, kInput } kind = Kind::kComputed;
-    int index = 0;  // program output index, or input index
-  };
   struct ValueInfo {
     hlo::Value value;
     at::ScalarType dtype = at::kFloat;
     int input = -1;  // >= 0: this value is graph input `input`
   };
-
-  const ValueInfo& ValueAt(int id, const std::string& op) const;
+  // One call as AddCall accepted it (arguments with defaults filled in),
+  // kept so that EmitInto can lower it again into another module.
+  struct CallRecord {
+    c10::OperatorHandle op;
+    const lowering::LoweringEntry* entry;
+    std::vector<GraphArg> args;
+    std::vector<lowering::OutputSpec> outputs;
+    caffe2::TypeMeta default_dtype;  // lowerings may read it
+  };
+  // Lowers `call` into `b` over `values` (value ids index it), appending a
+  // value per defined output; `rng_state`: the call's (seed, offset) value
+  // when its entry needs_rng. Returns the output ids (-1 for undefined).
+  static std::vector<int> LowerCall(hlo::Builder& b, std::vector<ValueInfo>& values, const CallRecord& call,
+                                    std::optional<hlo::Value> rng_state);
+  static const ValueInfo& ValueAt(const std::vector<ValueInfo>& values, int id, const std::string& op);
 
   std::string name_;
+  uint64_t uid_;
   hlo::Builder builder_;
   std::vector<ValueInfo> values_;
   std::vector<InputInfo> inputs_;
@@ -142,11 +207,25 @@ class GraphProgram {
   std::vector<ResultSlot> results_;
   std::vector<lowering::OutputSpec> output_specs_;  // per program output
   std::vector<int> output_ids_;                     // SetOutputs ids
+  std::vector<int> computed_ids_;                   // value id per program output
+  std::vector<CallRecord> calls_;
+  // Value-producing steps in order: >= 0 a call (index into calls_), < 0
+  // graph input -1 - step (EmitInto replays them to number values alike).
+  std::vector<int> steps_;
   std::vector<std::pair<int, int>> donations_;      // (input, program output) aliased
   bool outputs_set_ = false;
   int num_calls_ = 0;
   std::string module_text_;
   std::unique_ptr<pjrt::Executable> executable_;
 };
+
+// Records a launch of `graph` with `inputs` as ONE call of the fused
+// executor's region (fused_executor.cpp; GraphProgram::Run in fused mode):
+// validates the inputs (CheckInputs), copies those that cannot be fed as
+// they are contiguous (recorded clones), and returns one tensor per program
+// output (output_specs() order): a new tensor over a pending storage, or,
+// for a donated input fed as it is and once, the input tensor itself, whose
+// storage the region writes. The region keeps `graph` alive until it runs.
+std::vector<at::Tensor> RecordGraphCall(std::shared_ptr<GraphProgram> graph, const std::vector<at::Tensor>& inputs);
 
 }  // namespace torch_tpu::runtime
