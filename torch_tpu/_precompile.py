@@ -212,17 +212,17 @@ def _make_store():
             return os.path.join(d, key + ".entry") if d else ""
 
         def record_package(self, package) -> None:
-            super().record_package(package)
+            if getattr(package, "_tpu_not_saved", None):
+                _log.info("not saving %s: %s", package._innermost_fn, package._tpu_not_saved)
+                return
             try:
+                super().record_package(package)
                 self._save(package)
             except Exception as e:  # saving is best effort
                 _warn(f"cannot save the compiled frame ({type(e).__name__}: {e})")
 
         def _save(self, package) -> None:
             if package._innermost_fn is None:
-                return
-            if getattr(package, "_tpu_not_saved", None):
-                _log.info("not saving %s: %s", package._innermost_fn, package._tpu_not_saved)
                 return
             path = self._path(_entry_key(package._innermost_fn))
             if not path:
@@ -416,6 +416,8 @@ def _check_identities(fn: Any, entry, checks: list) -> None:
 
 
 def _patch() -> None:
+    import inspect
+
     import torch._dynamo.codegen as codegen
     import torch._dynamo.guards as guards
     import torch._dynamo.package as package
@@ -431,6 +433,21 @@ def _patch() -> None:
         return add_function(self, python_code, python_module, *args, **kwargs)
 
     package.CompilePackage._add_function = _add_function
+
+    # 1b. A frame whose code PyTorch cannot name (a graph break into a
+    #     function reached through a property, transformers' loss_function)
+    #     raises PackageError and fails the compile: here the package is
+    #     marked not to be saved and the frame compiles as without the cache.
+    add_user_function = package.CompilePackage._add_user_function
+
+    def _add_user_function(self, code):
+        try:
+            return add_user_function(self, code)
+        except package.PackageError as e:
+            self._tpu_not_saved = f"cannot name {code.co_qualname}: {e}"
+            return add_function(self, code, getattr(inspect.getmodule(code), "__name__", ""))
+
+    package.CompilePackage._add_user_function = _add_user_function
 
     # 2. Modules the bytecode loads as ___module_<name>_<id>_c<n> are
     #    re-installed with the entry.
@@ -617,6 +634,7 @@ def _check_signature() -> str | None:
         if params[5:6] != ["guard_filter_fn"]:
             return "CheckFunctionManager has no guard_filter_fn in 5th position"
         for obj, name in ((package.CompilePackage, "_add_function"), (package.CompilePackage, "install"),
+                          (package.CompilePackage, "_add_user_function"), (package, "PackageError"),
                           (package, "load_guard_manager"), (torch._guards.Guard, "create_fn_name"),
                           (codegen.PyCodegen, "create_load_python_module"), (package, "DiskDynamoCache"),
                           (getattr(guards, "GuardsStatePickler", None), "reducer_override")):
