@@ -433,10 +433,7 @@ def _bw_compiler(gm, example_inputs):
 
 
 def _inference_compiler(gm, example_inputs):
-    compiled = _compile_graph(gm, example_inputs, "inference", _mutation_donations(gm))
-    if _capture:
-        _capture[-1].append(_precompile.savable(compiled, example_inputs))
-    return compiled
+    return _compile_graph(gm, example_inputs, "inference", _mutation_donations(gm))
 
 
 @functools.cache
@@ -445,13 +442,6 @@ def _aot_backend():
 
     return aot_autograd(fw_compiler=_fw_compiler, bw_compiler=_bw_compiler,
                         inference_compiler=_inference_compiler, decompositions=_decompositions)
-
-
-# --- the compile cache (torch_tpu._precompile) ---------------------------------
-
-# One list per backend call being compiled: what its AOT graphs left to save
-# (torch_tpu._precompile.savable).
-_capture: list[list] = []
 
 
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
@@ -464,20 +454,12 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         # Symbolic shapes: one program per size bucket (inference) or per
         # exact shape (training), torch_tpu._dynamic.
         return _dynamic.compile_symbolic(gm, example_inputs, _decompositions())
-    backend_id = getattr(gm, "_backend_id", None)
-    if backend_id is None or not torch._dynamo.config.caching_precompile:
-        return _aot_backend()(gm, example_inputs, **kwargs)
-    _capture.append([])
-    try:
-        compiled = _aot_backend()(gm, example_inputs, **kwargs)
-        captured = _capture[-1]
-    finally:
-        _capture.pop()
-    try:
-        _precompile.record_artifact(backend_id, example_inputs, captured)
-    except Exception as e:  # the cache is best effort
-        _warn_once(f"precompile:{type(e).__name__}", f"torch_tpu: cannot save a compiled graph ({e})")
-    return compiled
+    if (getattr(gm, "_backend_id", None) is not None and _precompile.enabled()
+            and torch._dynamo.config.caching_precompile):
+        # The compile cache: the same compilers, each program saved with the frame.
+        return _precompile.aot_compile(gm, example_inputs, _fw_compiler, _bw_compiler, _inference_compiler,
+                                       _decompositions)
+    return _aot_backend()(gm, example_inputs, **kwargs)
 
 
 def enable_compile_cache() -> bool:
@@ -496,5 +478,4 @@ def register() -> None:
         registry.register_backend(tpu_backend, name="tpu")
 
 
-if os.environ.get("TORCH_TPU_COMPILE_CACHE", "0") not in ("", "0"):
-    _precompile.maybe_enable_from_env()
+_precompile.maybe_enable_from_env()  # on unless TORCH_TPU_COMPILE_CACHE=0

@@ -1,45 +1,86 @@
 """A warm start for ``torch.compile(model, backend="tpu")`` in a new process.
 
-Opt in with ``TORCH_TPU_COMPILE_CACHE=1`` (read when the ``tpu`` Dynamo
-backend is first looked up) or ``torch_tpu._precompile.enable()`` before
-``torch.compile``. A frame compiled by the tpu backend is then saved under
-``$TORCH_TPU_CACHE_DIR/dynamo/`` right after its compile: Dynamo's transformed
-bytecode and guards (PyTorch's caching precompile,
-``torch._dynamo.config.caching_precompile``) and, per graph, the ATen calls of
-its tpu program (not the XLA executable: that comes from the executable
-cache). A later process running the same code loads it at ``torch.compile``
-and skips Dynamo's tracing, AOTAutograd and the FX walk: its first call
-replays the ATen calls into a program and loads the executable.
+On by default (when the ``tpu`` Dynamo backend is first looked up, with
+TORCH_TPU_CACHE_DIR enabled); ``TORCH_TPU_COMPILE_CACHE=0`` turns it off,
+``TORCH_TPU_COMPILE_CACHE=1`` (or ``torch_tpu._precompile.enable()``) opts in
+to the frames the default leaves out (below). A frame compiled by the tpu
+backend is saved under ``$TORCH_TPU_CACHE_DIR/dynamo/`` right after its
+compile: Dynamo's transformed bytecode and guards (PyTorch's caching
+precompile, ``torch._dynamo.config.caching_precompile``) and, per graph,
+AOTAutograd's bundled entry (``BundledAOTAutogradResult``, the same one
+PyTorch saves for inductor): its runtime metadata and wrappers, and the tpu
+programs as ``TpuOutputCode`` (the ATen calls that built each program, not
+the XLA executable: that comes from the executable cache). A later process
+running the same code loads it at ``torch.compile`` and skips Dynamo's
+tracing, AOTAutograd and the FX walk; its first call replays the calls into
+a program and loads the executable.
+
+Served: inference graphs, graphs that write into their inputs (AOTAutograd's
+epilogue copies the new values back: a KV cache written in place, BatchNorm's
+running statistics), outputs that alias inputs, and training graphs (the
+forward, its saved tensors and the backward: the backward is compiled with
+the forward, ``force_non_lazy_backward_lowering``, so that it is in the
+entry). Not saved: graphs with symbolic shapes (their bucket executables are
+in the executable cache), graphs that run op by op, programs with constants,
+graphs PyTorch's AOTAutograd cache refuses (``check_cacheable``: unsafe ops,
+higher-order ops it does not know), frames compiled by other backends.
 
 Guards still protect every call (tensor shapes, dtypes, strides, grad mode,
 module attributes): a call they reject compiles as usual and the saved entry
-grows by that compile. Not saved: graphs whose AOTAutograd wrapper does work
-(input mutations, outputs aliasing inputs, training graphs), graphs with
-symbolic shapes, frames compiled by other backends.
+grows by that compile. PyTorch's caching precompile drops, live and saved,
+the guards that compare object identity (ID_MATCH and the MODULE_MATCH,
+BUILTIN_MATCH, FUNCTION_MATCH, CLOSURE_MATCH guards built on it),
+DICT_VERSION and WEAKREF_ALIVE: an id means nothing in another process. Here
+(``_guard_verdict``):
+
+- an identity guard on a *by-reference* object (a module, a class, a
+  function or builtin found again by its module and qualified name, an enum
+  member, a code object by file, line and name) is saved as a description
+  and checked once when a later process loads the entry (``_check_identities``:
+  ``torch.nn.functional.gelu`` rebound to another function before
+  ``torch.compile`` -> the entry is ignored and the frame compiles);
+- default ("safe") mode: the saving process keeps Dynamo's full guards live;
+  a frame that would drop any other guard (identity of an object pickled by
+  value, a dict version, a weakref) is not saved;
+- opt-in (``TORCH_TPU_COMPILE_CACHE=1``, "all"): those frames are saved
+  too, without those guards, live and loaded, as PyTorch's caching
+  precompile does. That is the part that stays opt-in: rebinding such an
+  object (swapping a by-value global for another) is not noticed.
+
+What neither mode checks: a warm process checks the by-reference identities
+once at load, not at every call, so rebinding a library function *after*
+``torch.compile`` has loaded an entry (``F.gelu = f`` between calls) is not
+noticed there (a cold process's full guards notice it). Use
+``TORCH_TPU_COMPILE_CACHE=0`` for code that rebinds library functions between
+calls.
 
 Keys: the function's qualified name, first line and bytecode, plus the
 torch, Python and torch_tpu versions and the torch_tpu extension's file; Dynamo
 itself checks the source of every inlined function at load. An entry that
 cannot be read or installed (corrupt, truncated, written by other code) is
-reported with one warning and the frame compiles as usual.
+reported with one warning and the frame compiles as usual. PyTorch's own
+on-disk AOTAutograd cache (keyed without torch_tpu's version) is neither
+read nor written for tpu graphs.
 
-PyTorch 2.13's caching precompile needs three corrections for functions
+PyTorch 2.13's caching precompile needs corrections for functions
 decorated with ``functools.wraps`` (Hugging Face models' ``forward``), made
 here while enabled: the decorated function's globals are its defining
 module's, not ``__module__``'s; modules Dynamo's bytecode loads under a
-generated name are recorded with the entry; and guards reached through a
-closure cell (``forward.__closure__[0].cell_contents``, the wrapped function)
-are not saved, as PyTorch already does for ``ID_MATCH`` and ``CLOSURE_MATCH``.
+generated name are recorded with the entry; a wrapped function pickles by
+reference; guards reached through a closure cell
+(``forward.__closure__[0].cell_contents``) are not saved. Loading, saved
+guards are built once, as saved (PyTorch builds them a first time only to
+re-run its filter, which would drop the identity guards kept here).
 
-Loading, saved guards are built once, not twice: PyTorch builds them a first
-time only to run its caching-precompile filter, which already kept exactly
-these guards when the entry was written (see ``_filter_keeps_all``).
+Imports: ``_dynamo`` -> this module -> ``_graph``; this module never imports
+``_dynamo`` (the compilers are passed to ``aot_compile``).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import io
+import logging
 import os
 import pickle
 import sys
@@ -55,8 +96,9 @@ from ._graph import _Program, stats
 __all__ = ["enable", "enabled", "ENV"]
 
 ENV = "TORCH_TPU_COMPILE_CACHE"
+_log = logging.getLogger("torch_tpu.compile_cache")
 _MAGIC = b"TORCH_TPU_DYNAMO_ENTRY\x01"
-_state = {"enabled": False}
+_state = {"enabled": False, "mode": "safe"}
 
 
 def enabled() -> bool:
@@ -154,8 +196,6 @@ def _make_store():
     from torch._dynamo.package import DiskDynamoCache, PrecompileCacheEntry
     from torch._dynamo.precompile_context import PrecompileContext
 
-    TpuProgramArtifact = _artifact_class()
-
     class TpuDynamoCache(DiskDynamoCache):
         """Dynamo's cache store, under TORCH_TPU_CACHE_DIR, written when a
         frame compiled by the tpu backend is recorded."""
@@ -172,8 +212,11 @@ def _make_store():
             return os.path.join(d, key + ".entry") if d else ""
 
         def record_package(self, package) -> None:
-            super().record_package(package)
+            if getattr(package, "_tpu_not_saved", None):
+                _log.info("not saving %s: %s", package._innermost_fn, package._tpu_not_saved)
+                return
             try:
+                super().record_package(package)
                 self._save(package)
             except Exception as e:  # saving is best effort
                 _warn(f"cannot save the compiled frame ({type(e).__name__}: {e})")
@@ -188,13 +231,13 @@ def _make_store():
             backends = {}
             for backend_id in cache_entry.backend_ids:
                 artifact = PrecompileContext.serialize_artifact_by_key(backend_id)
-                if not isinstance(artifact, TpuProgramArtifact):
+                if not _is_tpu_entry(artifact):
                     return  # another backend, or a tpu graph that is not saved
                 backends[backend_id] = artifact
             if not cache_entry.backend_ids:
                 return
             entry = PrecompileCacheEntry(dynamo=cache_entry, backends=backends)
-            _write_atomic(path, _encode(entry))
+            _write_atomic(path, _encode((entry, list(getattr(package, "_tpu_identities", ())))))
 
         def load(self, fn):
             path = self._path(_entry_key(fn))
@@ -202,11 +245,15 @@ def _make_store():
                 return None
             try:
                 with open(path, "rb") as f:
-                    entry = _decode(f.read())
+                    content = _decode(f.read())
+                if not (isinstance(content, tuple) and len(content) == 2):
+                    raise ValueError(f"unexpected content {type(content).__name__}")
+                entry, identities = content
                 if not isinstance(entry, PrecompileCacheEntry):
                     raise ValueError(f"unexpected content {type(entry).__name__}")
+                _check_identities(fn, entry, identities)
                 for backend in entry.backends.values():
-                    if not isinstance(backend, TpuProgramArtifact):
+                    if not _is_tpu_entry(backend):
                         raise ValueError(f"unexpected backend {type(backend).__name__}")
                     PrecompileContext.record_artifact(backend)
                 return entry
@@ -239,32 +286,138 @@ def _resolve_wrapped(module: str, qualname: str, depth: int):
     return f
 
 
-def _guard_filter(guards) -> list[bool]:
-    return ["__closure__" not in g.name for g in guards]
-
-
-# The guard types PyTorch 2.13's CheckFunctionManager drops under
-# caching_precompile (by the guard's create function, or among the types its
-# build derived).
+# The guard types PyTorch 2.13's caching precompile drops (CheckFunctionManager,
+# by the guard's type or among the types its build derived): object identity
+# and dict versions cannot be checked against a pickled scope.
 _PRECOMPILE_DROPPED = ("ID_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE", "DICT_VERSION")
 _PRECOMPILE_DROPPED_DERIVED = ("ID_MATCH", "DICT_VERSION")
-_loading = threading.local()  # .unfiltered: the next CheckFunctionManager builds once
+_loading = threading.local()  # .unfiltered: the next CheckFunctionManager builds the saved guards once
 
 
-def _filter_keeps_all(guards) -> bool:
-    """Whether the caching-precompile filter (PyTorch's rule and
-    ``_guard_filter``) keeps every one of these saved guards. It reads only a
-    guard's create function, the guard types its build recorded
-    (``guard.guard_types``, saved with it) and its name, never a value."""
-    for g in guards:
-        derived = tuple(g.guard_types or ())
-        if (g.create_fn_name() in _PRECOMPILE_DROPPED or "__closure__" in g.name
-                or any(t in derived for t in _PRECOMPILE_DROPPED_DERIVED)):
-            return False
-    return True
+def _resolve(module: str, qualname: str) -> list:
+    """What ``module.qualname`` names, read from class dicts without running
+    descriptors: [object], or a property's [fget, fset, fdel]; [] if none."""
+    f: Any = sys.modules.get(module)
+    for name in qualname.split("."):
+        if f is None:
+            return []
+        f = vars(f).get(name) if hasattr(f, "__dict__") and name in vars(f) else getattr(f, name, None)
+    if isinstance(f, property):
+        return [f.fget, f.fset, f.fdel]
+    if isinstance(f, (staticmethod, classmethod)):
+        return [f.__func__]
+    return [] if f is None else [f]
+
+
+def _by_reference(value: Any) -> bool:
+    """Whether ``value`` is the same object in any process running the same
+    code: a module in sys.modules; a class, function, builtin or enum member
+    found again from its module and qualified name (a function also through
+    functools.wraps' ``__wrapped__`` and properties' accessors); a code
+    object, described by file, first line and qualified name. An identity
+    guard on such an object can be checked in another process by looking
+    its source up again (``_check_identities``)."""
+    import enum
+    import types
+
+    if isinstance(value, types.ModuleType):
+        return sys.modules.get(value.__name__) is value
+    if isinstance(value, types.CodeType):
+        return True
+    if isinstance(value, enum.Enum):
+        return _by_reference(type(value)) and getattr(type(value), value.name, None) is value
+    if not isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+        return False
+    module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", "")
+    if not isinstance(module, str) or module not in sys.modules or "<locals>" in qualname:
+        return False
+    candidates = _resolve(module, qualname)
+    if isinstance(value, types.BuiltinFunctionType):  # torch.tanh: _VariableFunctionsClass.tanh in torch
+        candidates += _resolve(module, value.__name__)
+    for f in candidates:
+        for _ in range(8):
+            if f is value:
+                return True
+            f = getattr(f, "__wrapped__", None)
+    return False
+
+
+def _describe(value: Any) -> tuple:
+    """What a by-reference object is, the same in every process."""
+    import enum
+    import types
+
+    if isinstance(value, types.ModuleType):
+        return ("module", value.__name__)
+    if isinstance(value, types.CodeType):
+        return ("code", value.co_filename, value.co_firstlineno, value.co_qualname)
+    if isinstance(value, enum.Enum):
+        return ("enum",) + _describe(type(value))[1:] + (value.name,)
+    return ("object", value.__module__, value.__qualname__)
+
+
+def _guard_verdict(g) -> str:
+    """A guard of a frame being saved (a torch._dynamo.types.GuardFilterEntry):
+    "keep" (saved and live); "by_reference", an identity guard PyTorch's
+    caching precompile drops on a by-reference object (``_by_reference``:
+    a module, a builtin, an importable function or class), re-checked once
+    when a later process loads the entry (``_check_identities``); "unsafe",
+    another guard it drops (identity of an object pickled by value, a dict
+    version, a weakref, a closure's cells), which no later process can
+    check."""
+    derived = tuple(g.derived_guard_types or ())
+    if not (g.guard_type in _PRECOMPILE_DROPPED or any(t in derived for t in _PRECOMPILE_DROPPED_DERIVED)):
+        return "keep"
+    # (CLOSURE_MATCH guards a function's code: the same object has the same.)
+    if (g.guard_type not in ("WEAKREF_ALIVE", "DICT_VERSION") and "DICT_VERSION" not in derived
+            and g.has_value and _by_reference(g.value)):
+        return "by_reference"
+    return "unsafe"
+
+
+def _check_identities(fn: Any, entry, checks: list) -> None:
+    """Raises ValueError unless each (guard source, description) saved with
+    an entry still names the same module or object when evaluated against
+    the function's scope (``L['self']``: a bound method's object; ``G``: its
+    globals and the modules the entry imports under generated names)."""
+    import builtins
+    import importlib
+
+    from torch._dynamo.eval_frame import innermost_fn
+
+    inner = innermost_fn(fn)
+    class Scope(dict):
+        def __missing__(self, key):  # the builtins dict install adds under a generated name
+            if isinstance(key, str) and key.startswith("__builtins_dict__"):
+                return builtins.__dict__
+            raise KeyError(key)
+
+    scope = Scope(getattr(inner, "__globals__", {}))
+    for code in entry.dynamo.codes:
+        for alias, module in code.import_sources.items():
+            scope[alias] = importlib.import_module(module)
+    local = {"self": fn.__self__} if hasattr(fn, "__self__") else {}
+    namespace = {"__builtins__": builtins, "L": local, "G": scope, **local}
+    frame_fn = getattr(inner, "__func__", inner)
+    code = getattr(frame_fn, "__code__", None)
+    if code is not None and frame_fn.__closure__:
+        for name, cell in zip(code.co_freevars, frame_fn.__closure__):
+            try:
+                namespace.setdefault(name, cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+    for name, description in checks:
+        try:
+            value = eval(name, namespace)  # noqa: S307 (a guard's source expression)
+        except Exception as e:
+            raise ValueError(f"cannot check {name} ({type(e).__name__}: {e})") from None
+        if not _by_reference(value) or _describe(value) != tuple(description):
+            raise ValueError(f"{name} no longer is {'.'.join(map(str, description[1:]))}")
 
 
 def _patch() -> None:
+    import inspect
+
     import torch._dynamo.codegen as codegen
     import torch._dynamo.guards as guards
     import torch._dynamo.package as package
@@ -280,6 +433,21 @@ def _patch() -> None:
         return add_function(self, python_code, python_module, *args, **kwargs)
 
     package.CompilePackage._add_function = _add_function
+
+    # 1b. A frame whose code PyTorch cannot name (a graph break into a
+    #     function reached through a property, transformers' loss_function)
+    #     raises PackageError and fails the compile: here the package is
+    #     marked not to be saved and the frame compiles as without the cache.
+    add_user_function = package.CompilePackage._add_user_function
+
+    def _add_user_function(self, code):
+        try:
+            return add_user_function(self, code)
+        except package.PackageError as e:
+            self._tpu_not_saved = f"cannot name {code.co_qualname}: {e}"
+            return add_function(self, code, getattr(inspect.getmodule(code), "__name__", ""))
+
+    package.CompilePackage._add_user_function = _add_user_function
 
     # 2. Modules the bytecode loads as ___module_<name>_<id>_c<n> are
     #    re-installed with the entry.
@@ -319,47 +487,87 @@ def _patch() -> None:
 
     guards.GuardsStatePickler.reducer_override = reducer_override
 
-    # 4. Guards reached through closure cells cannot be rebuilt from a saved
-    #    scope (the wrapped function pickles as missing).
+    # 4. Guards of a frame being saved: PyTorch's caching precompile drops
+    #    every identity guard (ID_MATCH and the guards derived from it:
+    #    MODULE_MATCH, BUILTIN_MATCH, FUNCTION_MATCH), CLOSURE_MATCH,
+    #    DICT_VERSION and WEAKREF_ALIVE, from the saved guards and from the
+    #    live ones (the warnings "... is dropped with caching_precompile").
+    #    Here (``_guard_verdict``): the saved guards drop them too; identity
+    #    guards on by-reference objects are re-checked at load; in the default
+    #    ("safe") mode the live guards stay Dynamo's full ones, and a frame
+    #    that drops any other guard is not saved. The opt-in mode
+    #    (TORCH_TPU_COMPILE_CACHE=1) drops them live and saves, as PyTorch.
     init = guards.CheckFunctionManager.__init__
+    import inspect
+
+    signature = inspect.signature(init)
 
     def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs).arguments
         if getattr(_loading, "unfiltered", False):
-            # Saved guards the filter keeps whole (see 6.): one build, as
-            # without caching_precompile, instead of a build to filter and a
-            # second one.
+            # Loading: the saved guards are what the filter below kept when
+            # the entry was written; one build, none filtered away.
             _loading.unfiltered = False
-            kwargs.pop("guard_filter_fn", None)
-            if len(args) >= 5:
-                args = args[:4] + (None,) + args[5:]
+            bound["guard_filter_fn"] = None
             with torch._dynamo.config.patch(caching_precompile=False):
-                init(self, *args, **kwargs)
+                init(**bound)
             return
-        if torch._dynamo.config.caching_precompile:
-            user = kwargs.get("guard_filter_fn")
-            if user is None and len(args) >= 5:
-                user = args[4]
-            combined = (_guard_filter if user is None else
-                        (lambda gs: [a and b for a, b in zip(user(gs), _guard_filter(gs))]))
-            if len(args) >= 5:
-                args = args[:4] + (combined,) + args[5:]
-            else:
-                kwargs["guard_filter_fn"] = combined
-        init(self, *args, **kwargs)
+        if not torch._dynamo.config.caching_precompile:
+            init(**bound)
+            return
+        user = bound.get("guard_filter_fn")
+        unsafe: list[str] = []
+        identities: list[tuple] = []
+        closure: list[str] = []
+
+        def keep(entries):
+            base = list(user(entries)) if user is not None else [True] * len(entries)
+            out = []
+            unsafe.clear()
+            identities.clear()
+            closure.clear()
+            for k, g in zip(base, entries):
+                verdict = _guard_verdict(g)
+                if verdict == "unsafe" and k:
+                    unsafe.append(f"{g.guard_type} on {g.name}")
+                    _log.debug("guard not checkable in another process: %s on %s (%s, %s)", g.guard_type, g.name,
+                               g.derived_guard_types, type(g.value).__name__)
+                elif verdict == "by_reference" and k:
+                    identities.append((g.name, _describe(g.value)))
+                if "__closure__" in g.name:  # not rebuilt from a saved scope (see 3.)
+                    closure.append(g.name)
+                out.append(bool(k) and verdict == "keep" and "__closure__" not in g.name)
+            return out
+
+        bound["guard_filter_fn"] = keep
+        with torch._dynamo.config.patch(caching_precompile=False):
+            init(**bound)
+        package = getattr(bound.get("output_graph"), "package", None)
+        if package is not None:
+            if not hasattr(package, "_tpu_identities"):
+                package._tpu_identities = []
+            package._tpu_identities.extend(identities)
+        if _state["mode"] == "safe" and (unsafe or identities or closure):
+            if unsafe and package is not None:
+                package._tpu_not_saved = (f"{len(unsafe)} guards cannot be checked in another process "
+                                          f"({', '.join(unsafe[:3])})")
+            # Full live guards; the saved guards' state stays (Dynamo records it).
+            saved_state = self.guards_state
+            bound["guard_filter_fn"], bound["save_guards"] = user, False
+            with torch._dynamo.config.patch(caching_precompile=False):
+                init(**bound)
+            self.guards_state = saved_state
 
     guards.CheckFunctionManager.__init__ = __init__
 
     # 6. Loading saved guards, PyTorch builds them twice: once to run the
-    #    caching-precompile filter over them, then the kept ones. The saved
-    #    guards are what that same filter kept when the entry was written
-    #    (serialize_guards pickles the filtered list, each guard with the
-    #    guard types its build recorded), and the filter decides from those
-    #    fields alone, so it keeps them all again: when _filter_keeps_all
-    #    confirms it, the guards are built once. Otherwise PyTorch filters.
+    #    caching-precompile filter over them, then the kept ones; and that
+    #    filter would drop the identity guards kept by 4. The saved guards
+    #    are built once, as saved.
     load_guard_manager = package.load_guard_manager
 
     def _load_guard_manager(guards_state, *args, **kwargs):
-        _loading.unfiltered = _filter_keeps_all(guards_state.output_graph._guards)
+        _loading.unfiltered = True
         try:
             return load_guard_manager(guards_state, *args, **kwargs)
         finally:
@@ -426,6 +634,7 @@ def _check_signature() -> str | None:
         if params[5:6] != ["guard_filter_fn"]:
             return "CheckFunctionManager has no guard_filter_fn in 5th position"
         for obj, name in ((package.CompilePackage, "_add_function"), (package.CompilePackage, "install"),
+                          (package.CompilePackage, "_add_user_function"), (package, "PackageError"),
                           (package, "load_guard_manager"), (torch._guards.Guard, "create_fn_name"),
                           (codegen.PyCodegen, "create_load_python_module"), (package, "DiskDynamoCache"),
                           (getattr(guards, "GuardsStatePickler", None), "reducer_override")):
@@ -438,134 +647,176 @@ def _check_signature() -> str | None:
     return None
 
 
-def enable() -> bool:
+def enable(mode: str = "all", *, quiet: bool = False) -> bool:
     """Turns the cache on for this process (before ``torch.compile``);
-    returns whether it is on. Needs TORCH_TPU_CACHE_DIR to be enabled."""
+    returns whether it is on. ``mode``: "safe" (the default without
+    TORCH_TPU_COMPILE_CACHE) saves only frames whose every guard can be
+    checked in another process; "all" (TORCH_TPU_COMPILE_CACHE=1) also saves
+    frames whose other identity and dict-version guards PyTorch's caching
+    precompile drops, dropping them here too. Needs TORCH_TPU_CACHE_DIR to be
+    enabled; ``quiet``: no warning when it cannot be enabled.
+    Raises ValueError for another mode."""
+    if mode not in ("safe", "all"):
+        raise ValueError(f"torch_tpu compile cache: mode must be 'safe' or 'all', not {mode!r}")
     if _state["enabled"]:
+        _state["mode"] = mode
         return True
     from torch_tpu import _C
 
     if not _C.cache_dir():
-        _warn("TORCH_TPU_CACHE_DIR is disabled: not enabled")
+        if not quiet:
+            _warn("TORCH_TPU_CACHE_DIR is disabled: not enabled")
         return False
     problem = _check_signature()
     if problem:
-        _warn(f"this PyTorch ({torch.__version__}) lacks what it needs ({problem}): not enabled")
+        if not quiet:
+            _warn(f"this PyTorch ({torch.__version__}) lacks what it needs ({problem}): not enabled")
         return False
     import torch._dynamo.package as package
 
     _patch()
     package.DynamoCache = _make_store()
     torch._dynamo.config.caching_precompile = True
-    _state["enabled"] = True
+    _state["enabled"], _state["mode"] = True, mode
     return True
 
 
 def maybe_enable_from_env() -> None:
-    if os.environ.get(ENV, "0") not in ("", "0"):
-        enable()
-
-
-# --- the artifacts: one tpu program per saved graph ---------------------------
-
-_PRECOMPILE_FORMAT = 1
-
-
-def savable(compiled: Callable, example_inputs) -> tuple | str:
-    """(recipe, input_devices, output_plan, signature) of an inference
-    program (the tpu backend's `compiled`, run under AOTAutograd's tracing
-    context) whose
-    AOTAutograd wrapper passes the Dynamo graph's arguments through and
-    returns its outputs unchanged; else why not."""
-    from torch._functorch._aot_autograd.schemas import OutputType
-
-    program = getattr(compiled, "program", None)
-    if program is None:
-        return "runs op by op"
-    if program.constants:
-        return "has constants"
-    context = torch._guards.TracingContext.try_get()
-    meta = getattr(context, "fw_metadata", None) if context is not None else None
-    if meta is None:
-        return "no AOTAutograd metadata"
-    if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
-        return "mutates an input"
-    if any(o.output_type != OutputType.non_alias for o in meta.output_info):
-        return "an output aliases"
-    if meta.num_intermediate_bases or meta.tokens or meta.is_rng_op_functionalized:
-        return "AOTAutograd wraps the graph"
-    from torch._functorch._aot_autograd.schemas import SubclassCreationMeta
-
-    if any(isinstance(m, SubclassCreationMeta) for m in list(meta.subclass_inp_meta or ()) +
-           list(meta.subclass_fw_graph_out_meta or ())):
-        return "tensor subclass inputs or outputs"
-    return (program.recipe, program.input_devices, program.output_plan, [
-        (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x) for x in example_inputs])
-
-
-def record_artifact(backend_id: str, example_inputs, captured: list) -> None:
-    """Saves the backend's program for the compile cache when its whole
-    output is one pass-through inference program."""
-    import pickle
-
-    if len(captured) != 1 or isinstance(captured[0], str):
+    """TORCH_TPU_COMPILE_CACHE: unset or empty: "safe" (on by default);
+    "0": off; anything else: "all"."""
+    value = os.environ.get(ENV, "")
+    if value == "0":
         return
-    recipe, input_devices, output_plan, signature = captured[0]
-    if signature != [(x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x)
-                     for x in example_inputs]:
-        return  # AOTAutograd changed the arguments (deduplicated, synthetic bases)
-    if not all(type(x) in (torch.Tensor, torch.nn.Parameter) for x in example_inputs):
-        return
-    try:
-        content = pickle.dumps({"format": _PRECOMPILE_FORMAT, "recipe": recipe, "input_devices": input_devices,
-                                "output_plan": output_plan})
-    except Exception:
-        return
-    from torch._dynamo.precompile_context import PrecompileContext
-
-    PrecompileContext.record_artifact(_artifact_class()(backend_id, content))
+    enable("safe" if value == "" else "all", quiet=value == "")
 
 
-class _LoadedProgram:
-    """A saved backend program: rebuilt from its recipe at the first call
-    (the executable then comes from the executable cache)."""
+# --- the artifacts: AOTAutograd's bundled entry around tpu programs ----------
 
-    def __init__(self, name: str, content: dict):
-        self.name = name
-        self.content = content
-        self.program: _Program | None = None
+_PRECOMPILE_FORMAT = 2
 
-    def __call__(self, *args):
-        if self.program is None:
-            c = self.content
-            self.program = _Program.from_recipe(self.name, c["recipe"], c["input_devices"], c["output_plan"])
-            self.program.compile()
-            stats["programs"] += 1
-        return self.program(list(args))
+
+def _bypass(reason: str) -> Exception:
+    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+
+    return BypassAOTAutogradCache(f"torch_tpu: {reason}")
 
 
 @functools.cache
-def _artifact_class():
-    from torch._dynamo.precompile_context import BackendCacheArtifact
+def _output_code_class():
+    from torch._inductor.output_code import OutputCode
 
-    class TpuProgramArtifact(BackendCacheArtifact):
-        """A tpu backend's compiled graph in Dynamo's compile package."""
+    class TpuOutputCode(OutputCode):
+        """One graph's tpu program as AOTAutograd's cache sees a compiled
+        graph (torch._inductor.output_code.OutputCode): called boxed (the
+        argument list), pickled as its recipe (the GraphProgram calls that
+        built it) and rebuilt from it at the first call of a later process
+        (the XLA executable then comes from the executable cache). A graph
+        that runs op by op, or whose program feeds constants, is not saved
+        (BypassAOTAutogradCache: the frame compiles as usual next time)."""
 
-        def after_deserialization(self):
-            import pickle
+        def __init__(self, compiled: Callable):
+            self._fn: Callable | None = compiled
+            self._boxed_call = True  # an instance attribute: wrappers copy __dict__
+            program = getattr(compiled, "program", None)
+            if program is None:
+                self._content: dict | str = "the graph runs op by op"
+            elif program.constants:
+                self._content = "the program has constants"
+            else:
+                self._content = {"format": _PRECOMPILE_FORMAT, "name": program.name, "recipe": program.recipe,
+                                 "input_devices": program.input_devices, "output_plan": program.output_plan}
 
-            content = pickle.loads(self.content)
+        def __call__(self, inputs):
+            if self._fn is None:
+                c = self._content
+                program = _Program.from_recipe(f"cached_{c['name']}", c["recipe"], c["input_devices"],
+                                               c["output_plan"])
+                program.compile()
+                stats["programs"] += 1
+                self._fn = program
+            return self._fn(inputs)
+
+        def prepare_for_serialization(self) -> None:
+            if isinstance(self._content, str):
+                raise _bypass(self._content)
+            self._fn = None
+
+        def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
+            pass
+
+        def set_triton_bundle(self, triton_bundle) -> None:
+            pass
+
+        def __getstate__(self):
+            if isinstance(self._content, str):
+                raise pickle.PicklingError(f"torch_tpu: {self._content}")
+            return {"content": self._content}
+
+        def __setstate__(self, state):
+            content = state.get("content")
             if not isinstance(content, dict) or content.get("format") != _PRECOMPILE_FORMAT:
                 raise RuntimeError("torch_tpu compile cache: unknown program format")
-            return _LoadedProgram(f"cached{self.key}", content)
+            self._content, self._fn, self._boxed_call = content, None, True
 
-    TpuProgramArtifact.__module__ = __name__
-    TpuProgramArtifact.__qualname__ = "TpuProgramArtifact"
-    return TpuProgramArtifact
+    TpuOutputCode.__module__ = __name__
+    TpuOutputCode.__qualname__ = TpuOutputCode.__name__ = "TpuOutputCode"
+    return TpuOutputCode
+
+
+def _is_tpu_entry(artifact) -> bool:
+    """Whether a backend artifact is AOTAutograd's bundled entry around tpu
+    programs (forward or inference, and backward when it has one)."""
+    from torch._functorch._aot_autograd.aot_autograd_result import (
+        BundledAOTAutogradCacheArtifact,
+        BundledAOTAutogradResult,
+    )
+
+    if type(artifact) is not BundledAOTAutogradCacheArtifact:
+        return False
+    entry = artifact.content
+    cls = _output_code_class()
+    return (isinstance(entry, BundledAOTAutogradResult) and type(entry.compiled_fw.result) is cls
+            and (entry.compiled_bw is None or type(entry.compiled_bw.result) is cls))
+
+
+def aot_compile(gm, example_inputs, fw_compiler: Callable, bw_compiler: Callable,
+                inference_compiler: Callable, decompositions: Callable) -> Callable:
+    """``aot_autograd`` over the tpu compilers, each program an OutputCode,
+    so that PyTorch's AOTAutograd cache bundles the graph with its runtime
+    wrappers (input mutations written back, aliased outputs regenerated,
+    the training graph's autograd.Function with its saved tensors and
+    backward) into the frame's compile package: the entry a later process
+    loads is PyTorch's own (torch._functorch._aot_autograd.aot_autograd_result.
+    BundledAOTAutogradResult, as for inductor under caching_precompile).
+
+    The backward is compiled with the forward (force_non_lazy_backward_lowering)
+    so that it is in the package when Dynamo records the frame. PyTorch's own
+    on-disk AOTAutograd cache (under the inductor cache directory, keyed
+    without torch_tpu's version) is neither read nor written: entries live
+    only in this store."""
+    from unittest import mock
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+    from torch._inductor.output_code import OutputCode
+
+    cls = _output_code_class()
+
+    def serializable(compiler):
+        return SerializableAOTDispatchCompiler(OutputCode, lambda g, inputs: cls(compiler(g, inputs)))
+
+    backend = aot_autograd(fw_compiler=serializable(fw_compiler), bw_compiler=serializable(bw_compiler),
+                           inference_compiler=serializable(inference_compiler), decompositions=decompositions)
+    with torch._functorch.config.patch(enable_autograd_cache=True, force_non_lazy_backward_lowering=True,
+                                       strict_autograd_cache=False), \
+            mock.patch.object(AOTAutogradCache, "_lookup", staticmethod(lambda *args, **kwargs: None)), \
+            mock.patch.object(AOTAutogradCache, "_write_to_local_cache", staticmethod(lambda *args: None)):
+        return backend(gm, example_inputs)
 
 
 def __getattr__(name):
-    if name == "TpuProgramArtifact":  # defined on first use: torch._dynamo is imported late
-        cls = globals()["TpuProgramArtifact"] = _artifact_class()  # pickles by this name
+    if name == "TpuOutputCode":  # defined on first use: torch._inductor is imported late
+        cls = globals()["TpuOutputCode"] = _output_code_class()  # pickles by this name
         return cls
     raise AttributeError(name)
