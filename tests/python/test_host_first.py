@@ -22,6 +22,11 @@ temporary directory:
   on disk, debug and fused modes, TORCH_TPU_HOST_FIRST=0;
 - errors the CPU kernel raises surface at the op;
 - a host-served call is not a CPU fallback (metrics()["cpu_fallbacks"]).
+
+Each check runs fresh processes (the switches are read once per process):
+the default tier keeps values, counts, random ops, big calls, modes and
+errors; polymorphic buckets, the disk cache, TORCH_TPU_HOST_FIRST=0 and bad
+environment values are in the full tier (make test-full).
 """
 from __future__ import annotations
 
@@ -155,6 +160,7 @@ out["poly"] = res
 """
 
 
+@pytest.mark.full_tier  # two fresh processes or more: make test-full
 def test_poly_bucket_program_host_first():
     on = run(POLY)["poly"]
     off = run(POLY, env={"TORCH_TPU_HOST_FIRST": "0"})["poly"]
@@ -208,6 +214,7 @@ def test_big_calls_compile_synchronously():
     assert r["small"]["host_served"] == 1 and r["small"]["executions"] == 0, r
 
 
+@pytest.mark.full_tier  # two fresh processes or more: make test-full
 def test_programs_on_disk_run_on_the_device(tmp_path):
     code = r"""
 X = torch.arange(12.0).reshape(3, 4).to("tpu")
@@ -239,6 +246,7 @@ def test_debug_and_fused_modes_compile_synchronously():
     assert r["debug"]["d"]["host_served"] == 0 and r["fused"]["d"]["host_served"] == 0, r
 
 
+@pytest.mark.full_tier  # two fresh processes or more: make test-full
 def test_switched_off():
     r = run(BIG, env={"TORCH_TPU_HOST_FIRST": "0"})
     assert r["small"]["host_served"] == 0 and r["small"]["executions"] == 1, r
@@ -274,6 +282,7 @@ def test_cpu_errors_surface_at_the_op():
     assert r["good"] and r["good_d"]["compiles"] == 0 and r["good_d"]["host_served"] == 0, r
 
 
+@pytest.mark.full_tier
 @pytest.mark.parametrize("var,value", [("TORCH_TPU_HOST_FIRST", "yes"), ("TORCH_TPU_HOST_FIRST_MAX_BYTES", "-1")])
 def test_bad_environment_is_named(var, value):
     code = PRELUDE + "X = torch.randn(3).to('tpu')\n(X + 1).cpu()\n"
