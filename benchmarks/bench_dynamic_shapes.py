@@ -115,7 +115,7 @@ def _child_generate(config: str) -> dict:
     if config != "cpu":
         import torch_tpu
 
-        torch_tpu.set_eager_mode(config)
+        torch_tpu.set_eager_mode(config.split("-")[0])  # "strict-host-first-off": strict
         model = model.to("tpu")
         device, sync, metrics = "tpu", torch.tpu.synchronize, torch_tpu.metrics
     kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
@@ -139,6 +139,8 @@ def _child_generate(config: str) -> dict:
 def _run_child(kind: str, config: str) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCH_TPU_CACHE_DIR=cache, OMP_NUM_THREADS="1")
+        if config.endswith("-host-first-off"):  # strict mode compiling before each first call (before)
+            env["TORCH_TPU_HOST_FIRST"] = "0"
         r = subprocess.run([sys.executable, __file__, "--child", f"{kind}:{config}"], env=env,
                            capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
@@ -147,7 +149,7 @@ def _run_child(kind: str, config: str) -> dict:
 
 
 def _generate_table() -> None:
-    results = {c: _run_child("generate", c) for c in ("cpu", "strict", "fused")}
+    results = {c: _run_child("generate", c) for c in ("cpu", "strict", "strict-host-first-off", "fused")}
     cpu = results["cpu"]
     print("(a)/(b) 24-token greedy generate(), 2-layer Llama hidden 64, prompt 8 then 12 tokens; "
           "fresh process and empty cache per row")

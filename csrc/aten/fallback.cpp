@@ -275,42 +275,62 @@ bool WritesOverlappingTensor(const c10::OperatorHandle& op, const torch::jit::St
 // tensor of the same sizes, strides and offset over a host copy of its
 // storage (arguments sharing a storage share the copy), so that CPU's
 // overlap checks and semantics apply; written storages are uploaded back.
+// Host copies of the tpu storages a call's tensors view: each tpu tensor
+// becomes a CPU tensor of the same sizes, strides and offset over a host
+// copy of its storage's bytes (tensors sharing a storage share the copy;
+// a never-written storage reads as zeros, as on the device).
+class HostMirrors {
+ public:
+  struct Mirror {
+    at::Tensor bytes;  // the storage's bytes on the host
+    at::Tensor any;    // a tpu tensor over the storage
+    bool written = false;
+  };
+  at::Tensor Of(const at::Tensor& t, bool write) {
+    if (!t.defined() || t.device().type() != kTpu) return t;
+    auto& ds = runtime::StorageOf(t);
+    auto [it, inserted] = mirrors_.try_emplace(&ds);
+    Mirror& m = it->second;
+    if (inserted) {
+      m.bytes = at::zeros({static_cast<int64_t>(ds.nbytes())}, at::TensorOptions().dtype(at::kByte));
+      m.any = t;
+      if (ds.initialized()) {
+        const auto& cur = ds.Materialize(ds.current().element);
+        size_t n = static_cast<size_t>(cur.numel) * runtime::ElementSize(cur.element);
+        runtime::Runtime::Get().Download(cur, m.bytes.data_ptr(), std::min(n, ds.nbytes()));
+      }
+    }
+    m.written |= write;
+    at::Tensor host = at::empty({0}, t.options().device(at::kCPU));
+    host.set_(m.bytes.storage(), t.storage_offset(), t.sizes(), t.strides());
+    return host;
+  }
+  // Replaces the tpu tensors of the call's arguments (stack[first...]).
+  void MirrorArguments(const c10::OperatorHandle& op, torch::jit::Stack* stack, size_t first) {
+    const auto& args = op.schema().arguments();
+    for (size_t i = 0; i < args.size(); ++i) {
+      c10::IValue& v = (*stack)[first + i];
+      const bool write = IsWrittenArg(args[i]);
+      v = MapTensors(v, [&](const at::Tensor& t) { return Of(t, write); });
+    }
+  }
+  std::unordered_map<runtime::DeviceStorage*, Mirror>& map() { return mirrors_; }
+  const at::Tensor& BytesOf(runtime::DeviceStorage* ds) const { return mirrors_.at(ds).bytes; }
+
+ private:
+  std::unordered_map<runtime::DeviceStorage*, Mirror> mirrors_;
+};
+
 void RunOnCpuMirror(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& args = op.schema().arguments();
   const size_t first = stack->size() - args.size();
   const std::string name = OpName(op.schema());
   runtime::FlushPendingWork();  // the storages are read and replaced below
   auto& rt = runtime::Runtime::Get();
-  struct Mirror {
-    at::Tensor bytes;  // the storage's bytes on the host
-    at::Tensor any;    // a tpu tensor over the storage
-    bool written = false;
-  };
-  std::unordered_map<runtime::DeviceStorage*, Mirror> mirrors;
+  HostMirrors host_mirrors;
+  auto& mirrors = host_mirrors.map();
   std::vector<c10::IValue> originals(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
-  for (size_t i = 0; i < args.size(); ++i) {
-    c10::IValue& v = (*stack)[first + i];
-    const bool write = IsWrittenArg(args[i]);
-    v = MapTensors(v, [&](const at::Tensor& t) -> at::Tensor {
-      if (!t.defined() || t.device().type() != kTpu) return t;
-      auto& ds = runtime::StorageOf(t);
-      auto [it, inserted] = mirrors.try_emplace(&ds);
-      Mirror& m = it->second;
-      if (inserted) {
-        m.bytes = at::zeros({static_cast<int64_t>(ds.nbytes())}, at::TensorOptions().dtype(at::kByte));
-        m.any = t;
-        if (ds.initialized()) {
-          const auto& cur = ds.Materialize(ds.current().element);
-          size_t n = static_cast<size_t>(cur.numel) * runtime::ElementSize(cur.element);
-          rt.Download(cur, m.bytes.data_ptr(), std::min(n, ds.nbytes()));
-        }
-      }
-      m.written |= write;
-      at::Tensor host = at::empty({0}, t.options().device(at::kCPU));
-      host.set_(m.bytes.storage(), t.storage_offset(), t.sizes(), t.strides());
-      return host;
-    });
-  }
+  host_mirrors.MirrorArguments(op, stack, first);
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);  // raises as CPU raises
   TORCH_CHECK_NOT_IMPLEMENTED(CpuFallbackAllowed(), "The operator '", name,
                               "' writes a tensor with overlapping elements, which runs on the CPU, and "
@@ -390,6 +410,84 @@ void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
+void ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle& op, torch::jit::Stack& stack,
+                 size_t num_args) {
+  auto& rt = runtime::Runtime::Get();
+  const size_t first = stack.size() - num_args;
+  std::vector<c10::IValue> originals(stack.begin() + static_cast<std::ptrdiff_t>(first), stack.end());
+  // The device of the results, as Launch picks it: the first tpu tensor's,
+  // else the device argument's (factories), else the current device.
+  int device_index = -1;
+  for (const auto& v : originals) {
+    ForEachTensor(v, [&](const at::Tensor& t) {
+      if (device_index < 0 && t.defined() && t.device().type() == kTpu) device_index = t.device().index();
+    });
+  }
+  HostMirrors mirrors;
+  mirrors.MirrorArguments(op, &stack, first);
+  for (size_t i = first; i < stack.size(); ++i) {
+    if (!stack[i].isDevice()) continue;
+    if (device_index < 0 && stack[i].toDevice().type() == kTpu)
+      device_index = stack[i].toDevice().has_index() ? stack[i].toDevice().index() : CurrentDevice();
+    stack[i] = c10::Device(c10::kCPU);
+  }
+  if (device_index < 0) device_index = CurrentDevice();
+  {
+    runtime::ProfileScope profile("tpu::host_first", compiled.name);  // torch.profiler event
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);  // raises as CPU raises
+  }
+  // The results as `compiled` gives them (Launch): checked first, so that a
+  // mismatch raises before any storage changes.
+  const size_t num_returns = op.schema().returns().size();
+  const size_t rfirst = stack.size() - num_returns;
+  TORCH_CHECK(compiled.returns.size() == num_returns, "torch_tpu: ", compiled.name,
+              ": host-first call returned ", num_returns, " values, its program ", compiled.returns.size());
+  std::vector<c10::IValue> returns(num_returns);
+  std::vector<std::pair<size_t, std::vector<int64_t>>> new_outputs;  // (return, sizes)
+  for (size_t r = 0; r < num_returns; ++r) {
+    const runtime::ReturnSlot& rs = compiled.returns[r];
+    if (rs.is_arg) {
+      returns[r] = originals[static_cast<size_t>(rs.index)];
+      continue;
+    }
+    if (rs.index < 0) {
+      returns[r] = at::Tensor();
+      continue;
+    }
+    const runtime::OutputSlot& o = compiled.outputs[static_cast<size_t>(rs.index)];
+    std::vector<int64_t> sizes = o.sizes;
+    if (o.dynamic) sizes[0] = originals[static_cast<size_t>(compiled.poly_leader)].toTensor().size(0);
+    const at::Tensor& host = stack[rfirst + r].toTensor();
+    TORCH_CHECK(host.defined() && host.sizes() == c10::IntArrayRef(sizes) && host.scalar_type() == o.dtype,
+                "torch_tpu: ", compiled.name, ": the CPU kernel of a host-first call returned ",
+                host.defined() ? c10::str(host.scalar_type(), host.sizes()) : std::string("an undefined tensor"),
+                " where its program returns ", c10::str(o.dtype, c10::IntArrayRef(sizes)),
+                "; TORCH_TPU_HOST_FIRST=0 avoids host-first calls");
+    new_outputs.emplace_back(r, std::move(sizes));
+  }
+  const std::string producer = compiled.name + " (host-first, on the CPU)";
+  for (auto& [r, sizes] : new_outputs) {
+    const runtime::OutputSlot& o = compiled.outputs[static_cast<size_t>(compiled.returns[r].index)];
+    at::Tensor host = stack[rfirst + r].toTensor().contiguous();
+    auto sb = rt.UploadStorage(host.data_ptr(), static_cast<size_t>(host.numel()) * host.element_size(), o.element,
+                               device_index, producer, o.numel);
+    returns[r] = runtime::WrapBuffer(std::move(sb), sizes, o.dtype, device_index);
+  }
+  for (const auto& o : compiled.outputs) {
+    if (o.kind != runtime::OutputSlot::Kind::kStorageWrite) continue;
+    const c10::IValue& v = originals[static_cast<size_t>(o.arg)];
+    const at::Tensor& t = o.item < 0 ? v.toTensor() : v.toListRef()[static_cast<size_t>(o.item)].toTensor();
+    runtime::DeviceStorage* ds = &runtime::StorageOf(t);
+    const at::Tensor& bytes = mirrors.BytesOf(ds);
+    const size_t esize = runtime::ElementSize(o.element);
+    ds->Set(rt.UploadStorage(bytes.data_ptr(), ds->nbytes() / esize * esize, o.element, device_index, producer,
+                             o.numel));
+  }
+  rt.metrics().host_served++;
+  stack.erase(stack.begin() + static_cast<std::ptrdiff_t>(first), stack.end());
+  for (auto& v : returns) stack.push_back(std::move(v));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&TpuBoxedKernel>()); }
@@ -427,3 +525,12 @@ void RegisterLoweredOpsDirectly() {
 }
 
 }  // namespace torch_tpu::aten
+
+namespace torch_tpu::runtime {
+
+void ServeOnHost(const CompiledOp& compiled, const c10::OperatorHandle& op, torch::jit::Stack& stack,
+                 size_t num_args) {
+  aten::ServeOnHost(compiled, op, stack, num_args);
+}
+
+}  // namespace torch_tpu::runtime

@@ -27,6 +27,10 @@ namespace {
 
 py::dict Metrics() {
   auto& m = Runtime::Get().metrics();
+  {  // host-first calls' compiles still running: their counts are part of the metrics
+    py::gil_scoped_release release;
+    torch_tpu::runtime::AwaitBackgroundCompiles();
+  }
   py::dict d;
   d["compiles"] = m.compiles.load();
   d["compile_time_s"] = static_cast<double>(m.compile_time_ns.load()) * 1e-9;
@@ -38,6 +42,7 @@ py::dict Metrics() {
   d["fused_regions"] = m.fused_regions.load();
   d["fused_region_outputs"] = m.fused_region_outputs.load();
   d["donated_buffers"] = m.donated_buffers.load();
+  d["host_served"] = m.host_served.load();
   py::dict fallbacks;
   {
     std::lock_guard<std::mutex> lock(m.fallback_mutex);

@@ -11,6 +11,10 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <pthread.h>
+#include <thread>
 #include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
@@ -263,6 +267,13 @@ void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack
 
 namespace {
 
+// The hash of a key's operator and atoms.
+size_t KeyHash(const OpKey& key) {
+  size_t h = std::hash<const void*>()(key.op);
+  for (int64_t a : key.atoms) h = c10::hash_combine(h, std::hash<int64_t>()(a));
+  return h;
+}
+
 // Fills `key` (reusing its storage: this runs for every op).
 void BuildKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
               const lowering::LoweringEntry& entry, OpKey& key) {
@@ -270,9 +281,7 @@ void BuildKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, siz
   key.atoms.clear();
   StorageIds ids;
   AppendCallKey(op, stack, first, entry, key.atoms, ids);
-  size_t h = std::hash<const void*>()(key.op);
-  for (int64_t a : key.atoms) h = c10::hash_combine(h, std::hash<int64_t>()(a));
-  key.hash = h;
+  key.hash = KeyHash(key);
 }
 
 lowering::ViewLayout LayoutOf(const at::Tensor& t) {
@@ -779,7 +788,7 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
 }
 
 std::unique_ptr<pjrt::Executable> CompileModule(const std::string& name, const std::string& module_text,
-                                                bool single_op) {
+                                                bool single_op, bool count) {
   if (DumpHlo()) std::cerr << "[torch_tpu] " << name << ":\n" << module_text;
   auto& rt = Runtime::Get();
   auto start = std::chrono::steady_clock::now();
@@ -790,7 +799,7 @@ std::unique_ptr<pjrt::Executable> CompileModule(const std::string& name, const s
   } catch (const pjrt::Error& e) {
     throw std::runtime_error("tpu: compiling " + name + " failed: " + e.what() + "\nmodule:\n" + module_text);
   }
-  rt.metrics().compiles++;
+  if (count) rt.metrics().compiles++;
   rt.metrics().compile_time_ns +=
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
   return exe;
@@ -893,10 +902,18 @@ CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
   return at_b;
 }
 
+// A program built but not compiled yet (Compile with `defer`).
+struct Deferred {
+  CallSignature signature;
+  std::chrono::steady_clock::time_point start;
+};
+
 // `plan`: a shape-polymorphic program for the plan's bucket (OpCache::Lookup).
+// `defer`: stop before the PJRT compile (compiled->executable stays empty;
+// FinishCompile or the background compile complete it).
 std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
                                     size_t first, const lowering::LoweringEntry& entry,
-                                    const PolyPlan* plan = nullptr) {
+                                    const PolyPlan* plan = nullptr, Deferred* defer = nullptr) {
   const auto& schema = op.schema();
   auto compiled = std::make_unique<CompiledOp>();
   compiled->entry = &entry;
@@ -973,10 +990,167 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   pb.b.Return(program_results);
   compiled->inputs = std::move(pb.inputs);
   compiled->module_text = pb.b.Module();
+  if (defer) {
+    *defer = Deferred{signature, compile_start};
+    return compiled;
+  }
   compiled->executable = CompileModule(compiled->name, compiled->module_text, /*single_op=*/true);
   CompileStats::Get().Record(compiled->name, signature,
                              std::chrono::duration<double>(std::chrono::steady_clock::now() - compile_start).count());
   return compiled;
+}
+
+void FinishCompile(CompiledOp& compiled, const Deferred& d) {
+  compiled.executable = CompileModule(compiled.name, compiled.module_text, /*single_op=*/true);
+  CompileStats::Get().Record(compiled.name, d.signature,
+                             std::chrono::duration<double>(std::chrono::steady_clock::now() - d.start).count());
+}
+
+// The background compile thread(s) of host-first calls: a FIFO queue, one
+// thread (TORCH_TPU_COMPILE_THREADS, default 1: this is a 2-core machine
+// and the PJRT CPU plugin compiles on the calling thread). Leaked: it must
+// outlive static destructors; AwaitBackgroundCompiles runs at exit and
+// before fork() (a child has no worker thread: a compile queued in the
+// parent would never finish there).
+class CompileWorker {
+ public:
+  static CompileWorker& Get() {
+    static CompileWorker* worker = new CompileWorker();
+    return *worker;
+  }
+  void Submit(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (threads_ == 0) Start();
+    queue_.push_back(std::move(task));
+    ++outstanding_;
+    work_.notify_one();
+  }
+  void AwaitAll() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_.wait(lock, [&] { return outstanding_ == 0; });
+  }
+
+ private:
+  void Start() {
+    int n = 1;
+    if (const char* e = std::getenv("TORCH_TPU_COMPILE_THREADS"); e && *e) {
+      char* end = nullptr;
+      long v = std::strtol(e, &end, 10);
+      if (*end != '\0' || v < 1 || v > 64)
+        throw std::invalid_argument(std::string("TORCH_TPU_COMPILE_THREADS must be an integer in [1, 64], got '") + e +
+                                    "'");
+      n = static_cast<int>(v);
+    }
+    static std::once_flag hooks;
+    std::call_once(hooks, [] {
+      std::atexit([] { CompileWorker::Get().AwaitAll(); });
+      pthread_atfork([] { CompileWorker::Get().AwaitAll(); }, nullptr, nullptr);
+    });
+    for (int i = 0; i < n; ++i) std::thread([this] { Loop(); }).detach();
+    threads_ = n;
+  }
+  void Loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        work_.wait(lock, [&] { return !queue_.empty(); });
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();  // never throws: errors go to the task's promise
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--outstanding_ == 0) idle_.notify_all();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable work_, idle_;
+  std::deque<std::function<void()>> queue_;
+  int64_t outstanding_ = 0;  // queued or running
+  int threads_ = 0;
+};
+
+// Queues compiled's PJRT compile; compiled->pending is set before return.
+void CompileInBackground(const std::shared_ptr<CompiledOp>& compiled, const Deferred& d) {
+  auto pending = std::make_shared<PendingCompile>();
+  auto promise = std::make_shared<std::promise<void>>();
+  pending->done = promise->get_future().share();
+  compiled->pending = pending;
+  // Counted now, on the calling thread: compile counts and causes (and the
+  // recompile warning) do not depend on when the compile ends.
+  Runtime::Get().metrics().compiles++;
+  CompileStats::Get().Record(compiled->name, d.signature,
+                             std::chrono::duration<double>(std::chrono::steady_clock::now() - d.start).count());
+  CompileWorker::Get().Submit([compiled, promise] {
+    try {
+      compiled->executable =
+          CompileModule(compiled->name, compiled->module_text, /*single_op=*/true, /*count=*/false);
+      compiled->pending->ready.store(true, std::memory_order_release);
+      promise->set_value();
+    } catch (...) {
+      promise->set_exception(std::current_exception());
+    }
+  });
+}
+
+// Waits for a compile started by an earlier host-first call; rethrows its
+// error.
+void AwaitCompiled(const CompiledOp& compiled) {
+  if (!compiled.pending || compiled.pending->ready.load(std::memory_order_acquire)) return;
+  compiled.pending->done.get();
+}
+
+// Bytes of the tpu storages a call reads or writes plus its new outputs'.
+int64_t CallBytes(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first, const CallSpec& spec) {
+  int64_t bytes = 0;
+  std::vector<const void*> seen;
+  auto add = [&](const at::Tensor& t) {
+    if (!t.defined() || !OnTpu(t) || !t.has_storage()) return;
+    const void* impl = t.storage().unsafeGetStorageImpl();
+    if (std::find(seen.begin(), seen.end(), impl) != seen.end()) return;
+    seen.push_back(impl);
+    bytes += static_cast<int64_t>(t.storage().nbytes());
+  };
+  for (size_t i = first; i < first + op.schema().arguments().size(); ++i) {
+    const c10::IValue& v = stack[i];
+    if (v.isTensor()) add(v.toTensor());
+    else if (IsTensorListValue(v))
+      for (const auto& item : v.toListRef())
+        if (item.isTensor()) add(item.toTensor());
+  }
+  for (size_t r = 0; r < spec.outputs.size(); ++r)
+    if (spec.return_alias[r] < 0 && spec.defined[r])
+      bytes += c10::multiply_integers(spec.outputs[r].sizes) *
+               static_cast<int64_t>(c10::elementSize(spec.outputs[r].dtype));
+  return bytes;
+}
+
+// Whether a call may be served on the host before its program is built
+// (OpCache::Lookup, host_served): not a random op (the tpu generator's
+// stream must not change), no out= argument (the CPU kernel would resize
+// it on the host), a CPU kernel to run.
+bool HostFirstCall(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                   const lowering::LoweringEntry& entry) {
+  if (!HostFirstEnabled() || entry.traits.needs_rng) return false;
+  const auto& args = op.schema().arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (IsOutArg(args[i])) return false;
+    if (stack[first + i].isGenerator()) return false;
+  }
+  return op.hasComputedKernelForDispatchKey(c10::DispatchKey::CPU);
+}
+
+// And once the program is built: not too large, not in the disk cache (a
+// load is cheap), outputs typed as their dtypes' bytes (the host result is
+// uploaded as it is).
+bool HostFirstProgram(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                      const CompiledOp& compiled) {
+  if (CallBytes(op, stack, first, compiled.spec) > HostFirstMaxBytes()) return false;
+  for (const auto& o : compiled.outputs)
+    if (o.kind == OutputSlot::Kind::kNewTensor &&
+        ElementSize(o.element) != static_cast<size_t>(c10::elementSize(o.dtype)))
+      return false;
+  return !DiskCache::Get().Has(Runtime::Get().client(), compiled.module_text, SingleOpOptions());
 }
 
 // `checked`: Scalar arguments (alpha=1e300 into f32 raises, as on CPU);
@@ -1044,18 +1218,70 @@ std::atomic<int64_t>& ExecutableEvictions() {
   return evictions;
 }
 
+bool HostFirstEnabled() {
+  static const bool enabled = [] {
+    const char* e = std::getenv("TORCH_TPU_HOST_FIRST");
+    if (!e || !*e || std::string(e) == "1") return true;
+    if (std::string(e) == "0") return false;
+    throw std::invalid_argument(std::string("TORCH_TPU_HOST_FIRST must be 0 or 1, got '") + e + "'");
+  }();
+  return enabled;
+}
+
+int64_t HostFirstMaxBytes() {
+  static const int64_t limit = [] {
+    const char* e = std::getenv("TORCH_TPU_HOST_FIRST_MAX_BYTES");
+    if (!e || !*e) return int64_t{4} << 20;
+    char* end = nullptr;
+    errno = 0;
+    long long n = std::strtoll(e, &end, 10);
+    if (errno != 0 || *end != '\0' || n < 0)
+      throw std::invalid_argument(std::string("TORCH_TPU_HOST_FIRST_MAX_BYTES must be a non-negative integer, got '") +
+                                  e + "'");
+    return static_cast<int64_t>(n);
+  }();
+  return limit;
+}
+
+void AwaitBackgroundCompiles() { CompileWorker::Get().AwaitAll(); }
+
 std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
-                                                  const lowering::LoweringEntry& entry, bool shape_poly) {
+                                                  const lowering::LoweringEntry& entry, bool shape_poly,
+                                                  bool* host_served) {
   size_t num_args = op.schema().arguments().size();
   size_t first = stack.size() - num_args;
   thread_local OpKey key;
   BuildKey(op, stack, first, entry, key);
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
   auto& metrics = Runtime::Get().metrics();
-  if (auto hit = cache_.Find(key)) {
+  // A program compiling in the background (an earlier host-first call) is
+  // waited for without the lock: the compile thread does not take it.
+  auto ready = [&](std::shared_ptr<const CompiledOp> op_) {
+    if (op_->pending && !op_->pending->ready.load(std::memory_order_acquire)) {
+      lock.unlock();
+      AwaitCompiled(*op_);
+    }
+    return op_;
+  };
+  // An exact key also holds the bucket program that served it (below), for
+  // shape_poly callers only: the fused executor reads the call's own spec.
+  if (auto hit = cache_.Find(key); hit && (shape_poly || hit->poly_leader < 0)) {
     metrics.cache_hits++;
-    return hit;
+    return ready(std::move(hit));
   }
+  const bool host_first = host_served && HostFirstCall(op, stack, first, entry);
+  // Compiles the built program: in the background (the call is served on
+  // the host) where it qualifies, else now.
+  auto finish = [&](std::unique_ptr<CompiledOp> built, const Deferred& d) -> std::shared_ptr<CompiledOp> {
+    std::shared_ptr<CompiledOp> compiled(std::move(built));
+    if (HostFirstProgram(op, stack, first, *compiled)) {
+      CompileInBackground(compiled, d);
+      *host_served = true;
+    } else {
+      FinishCompile(*compiled, d);
+    }
+    return compiled;
+  };
   // Shape churn (DESIGN.md "One ATen call", dynamic dims): the exact key
   // missed; a call of a family that compiled kPolyAfter shapes already is
   // served by (or compiles) the program for its bucket.
@@ -1067,10 +1293,8 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     poly_key.atoms.clear();
     StorageIds ids;
     AppendCallKey(op, stack, first, entry, poly_key.atoms, ids, plan.dynamic, -1);
-    size_t h = std::hash<const void*>()(key.op);
-    for (int64_t a : poly_key.atoms) h = c10::hash_combine(h, std::hash<int64_t>()(a));
     if (families_.size() > (size_t{1} << 16)) families_.clear();  // a bound; only the heuristic forgets
-    family = &families_[h];
+    family = &families_[KeyHash(poly_key)];
     if (*family >= kPolyAfter) {
       poly_key.atoms.clear();
       poly_key.atoms.push_back(-1);  // not a default dtype: no exact key starts so
@@ -1078,29 +1302,50 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
       poly_key.atoms.push_back(plan.leader);
       StorageIds poly_ids;
       AppendCallKey(op, stack, first, entry, poly_key.atoms, poly_ids, plan.dynamic, plan.bucket);
-      h = std::hash<const void*>()(key.op);
-      for (int64_t a : poly_key.atoms) h = c10::hash_combine(h, std::hash<int64_t>()(a));
-      poly_key.hash = h;
+      poly_key.hash = KeyHash(poly_key);
       if (auto hit = cache_.Find(poly_key)) {
         metrics.cache_hits++;
-        return hit;
+        // The exact key serves later calls directly (no poly key to build).
+        cache_.Insert(key, hit);
+        return ready(std::move(hit));
       }
-      std::shared_ptr<const CompiledOp> compiled;
+      std::unique_ptr<CompiledOp> built;
+      Deferred d;
       try {
-        compiled = Compile(op, stack, first, entry, &plan);
+        built = Compile(op, stack, first, entry, &plan, &d);
       } catch (const std::exception&) {
-        compiled = nullptr;  // the static program below (which raises what the call raises)
+        built = nullptr;  // the static program below (which raises what the call raises)
       }
-      if (compiled) {
+      if (built) {
         metrics.cache_misses++;
-        return cache_.Insert(poly_key, std::move(compiled));
+        std::shared_ptr<const CompiledOp> compiled;
+        if (host_first) {
+          compiled = finish(std::move(built), d);
+        } else {
+          try {
+            FinishCompile(*built, d);
+            compiled = std::move(built);
+          } catch (const std::exception&) {
+            compiled = nullptr;
+          }
+        }
+        if (compiled) {
+          cache_.Insert(key, compiled);
+          return cache_.Insert(poly_key, std::move(compiled));
+        }
       }
       *family = -1;  // declined: this family keeps exact shapes
       family = nullptr;
     }
   }
   metrics.cache_misses++;
-  std::shared_ptr<const CompiledOp> compiled = Compile(op, stack, first, entry);
+  std::shared_ptr<const CompiledOp> compiled;
+  if (host_first) {
+    Deferred d;
+    compiled = finish(Compile(op, stack, first, entry, nullptr, &d), d);
+  } else {
+    compiled = Compile(op, stack, first, entry);
+  }
   if (family && *family >= 0) ++*family;
   return cache_.Insert(key, std::move(compiled));
 }

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <functional>
+#include <future>
 #include <list>
 #include <memory>
 #include <optional>
@@ -86,6 +87,14 @@ struct CallSpec {
   std::vector<bool> defined;                  // false: the op returns an undefined tensor (output_mask)
 };
 
+// A compile running on the background compile thread (host-first calls,
+// OpCache::Lookup): `done` is set (or holds the compile's error) once the
+// CompiledOp's executable is there; `ready` is its fast check.
+struct PendingCompile {
+  std::shared_future<void> done;
+  std::atomic<bool> ready{false};
+};
+
 struct CompiledOp {
   std::string name;  // "aten::add.Tensor"
   CallSpec spec;
@@ -104,6 +113,9 @@ struct CompiledOp {
   // call's at the bucket then, not any one call's.
   int16_t poly_leader = -1;
   int64_t poly_bucket = 0;
+  // Set while (and after) the executable compiles in the background; every
+  // user but the call that started it waits on it (OpCache::Lookup).
+  std::shared_ptr<PendingCompile> pending;
 };
 
 // Runs the op on meta tensors; throws UnsupportedOp if it cannot.
@@ -186,8 +198,40 @@ class ProgramBuilder {
 // `single_op`: an eager single-op program, compiled with options cheaper to
 // compile (SingleOpOptions in compiled_op.cpp; DESIGN.md, "Why eager ops
 // compile").
+// `count`: add one to metrics()["compiles"] (false: the caller counted it
+// when it queued the compile, so that the count does not depend on when a
+// background compile ends).
 std::unique_ptr<pjrt::Executable> CompileModule(const std::string& name, const std::string& module_text,
-                                                bool single_op = false);
+                                                bool single_op = false, bool count = true);
+
+// Host-first calls (strict mode; DESIGN.md "Host-first calls"): a call
+// whose single-op program is neither in memory nor in the disk cache is
+// served by the ATen CPU kernel while its program compiles on a background
+// thread; later calls of the key wait for that compile.
+// TORCH_TPU_HOST_FIRST=0 turns it off (default 1); throws
+// std::invalid_argument naming the variable for another value.
+bool HostFirstEnabled();
+// The most bytes (tpu storages read + outputs) of a host-served call:
+// TORCH_TPU_HOST_FIRST_MAX_BYTES (a non-negative integer; default 4 MiB).
+// Larger calls compile synchronously (on an accelerator the round trip
+// would cost more than a compile). Throws std::invalid_argument naming the
+// variable for a value that is not a non-negative integer.
+int64_t HostFirstMaxBytes();
+// Waits until every queued background compile has finished (OpCache::Clear,
+// before fork(), at exit).
+void AwaitBackgroundCompiles();
+// Serves one call on the host as `compiled` would compute it on the device
+// (csrc/aten/fallback.cpp): every tpu storage the call's tensors view is
+// copied to the host (a sync of those buffers only), the ATen CPU kernel
+// runs on host tensors of the same sizes, strides and offsets (so CPU's
+// checks raise at the op, as CPU raises them), the storages `compiled`
+// writes are uploaded back and its new tensors are made as Launch makes
+// them (contiguous, the same buffer capacity), so later calls see the same
+// keys whether a call was served on the host or on the device. Counts
+// metrics()["host_served"], not a CPU fallback. Replaces the arguments (the
+// last `num_args` values of the stack) by the returns.
+void ServeOnHost(const CompiledOp& compiled, const c10::OperatorHandle& op, torch::jit::Stack& stack,
+                 size_t num_args);
 
 // Input buffers of a launch. `arg_of(call, arg)` returns the IValue of an
 // argument of a call.
@@ -294,14 +338,25 @@ class OpCache {
   // its entry is shape_poly, a call whose leading dim n >= 1 is served by a
   // program for the bucket of n (runtime::Capacity), n passed at launch
   // (DESIGN.md "One ATen call", dynamic dims).
+  //
+  // `host_served` (the strict executor): where non-null, a miss whose call
+  // qualifies for host-first serving (HostFirstEnabled; not a random op,
+  // no out= argument, a CPU kernel, at most HostFirstMaxBytes, the program
+  // not in the disk cache) queues its compile on the background thread and
+  // sets *host_served: the op returned has no executable yet, the caller
+  // serves the call with ServeOnHost and must not Launch it. Every other
+  // return is ready to launch (a pending compile is waited for; its error
+  // is raised here).
   std::shared_ptr<const CompiledOp> Lookup(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
-                                           const lowering::LoweringEntry& entry, bool shape_poly = false);
+                                           const lowering::LoweringEntry& entry, bool shape_poly = false,
+                                           bool* host_served = nullptr);
   static constexpr int kPolyAfter = 2;
   size_t size() {
     std::lock_guard<std::mutex> lock(mutex_);
     return cache_.size();
   }
   void Clear() {
+    AwaitBackgroundCompiles();
     std::lock_guard<std::mutex> lock(mutex_);
     cache_.Clear();
     families_.clear();

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <vector>
@@ -81,8 +82,21 @@ std::string DiskCache::Key(pjrt::Client& client, std::string_view module_text, c
 
 std::string DiskCache::EntryPath(const std::string& key) const { return directory_ + "/" + Sha1(key) + ".pjrt"; }
 
+bool DiskCache::Has(pjrt::Client& client, std::string_view module_text,
+                    const pjrt::CompileOptions& options) const {
+  if (!enabled()) return false;
+  std::error_code ec;
+  return std::filesystem::exists(EntryPath(Key(client, module_text, options)), ec);
+}
+
 std::unique_ptr<pjrt::Executable> DiskCache::LoadOrCompile(pjrt::Client& client, std::string_view module_text,
                                                            const pjrt::CompileOptions& options) {
+  // One compile or load (LLVM JIT) at a time: the XLA CPU plugin aborted in
+  // LLVM ("Cannot implicitly convert a scalable size to a fixed-width size")
+  // with a background compile (host-first calls, compiled_op.h) beside
+  // another.
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
   if (!enabled()) return client.Compile(module_text, options);
   std::string key = Key(client, module_text, options);
   std::string path = EntryPath(key);

@@ -53,6 +53,10 @@ class DiskCache {
   std::unique_ptr<pjrt::Executable> LoadOrCompile(pjrt::Client& client, std::string_view module_text,
                                                   const pjrt::CompileOptions& options);
 
+  // Whether an entry for `module_text` compiled with `options` is on disk
+  // (not checked for validity: a bad entry is compiled again on load).
+  bool Has(pjrt::Client& client, std::string_view module_text, const pjrt::CompileOptions& options) const;
+
   // The full key text of a module (exposed for tests).
   static std::string Key(pjrt::Client& client, std::string_view module_text,
                          const pjrt::CompileOptions& options);

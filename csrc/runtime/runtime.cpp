@@ -285,10 +285,13 @@ std::shared_ptr<pjrt::Buffer> Runtime::Upload(const void* data, hlo::ElementType
 }
 
 StorageBuffer Runtime::UploadStorage(const void* data, size_t nbytes, hlo::ElementType element, int device_index,
-                                     std::string producer) {
+                                     std::string producer, int64_t buffer_numel) {
   const size_t esize = ElementSize(element);
   const int64_t numel = static_cast<int64_t>(nbytes / esize);
-  const int64_t capacity = Capacity(numel);
+  if (buffer_numel >= 0 && buffer_numel < numel)
+    throw std::logic_error("UploadStorage: a buffer of " + std::to_string(buffer_numel) + " elements cannot hold " +
+                           std::to_string(numel));
+  const int64_t capacity = buffer_numel >= 0 ? buffer_numel : Capacity(numel);
   int64_t dims[] = {capacity};
   std::shared_ptr<pjrt::Buffer> buffer;
   if (capacity == numel) {

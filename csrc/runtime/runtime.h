@@ -31,6 +31,7 @@ struct Metrics {
   std::atomic<int64_t> fused_regions{0};         // fused regions run as one program
   std::atomic<int64_t> fused_region_outputs{0};  // their outputs (storages still referenced at the flush)
   std::atomic<int64_t> donated_buffers{0};       // input buffers reused for an in-place result
+  std::atomic<int64_t> host_served{0};           // host-first calls run by the ATen CPU kernel (ServeOnHost)
   std::mutex fallback_mutex;
   std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count
 };
@@ -161,8 +162,10 @@ class Runtime {
   // of Capacity(nbytes / element size) elements (the padding is zeros,
   // staged on the host only when there is any). Counts `nbytes` as
   // transferred.
+  // `numel` >= 0: a buffer of exactly that many elements instead (at least
+  // nbytes / element size; what a program's output slot has).
   StorageBuffer UploadStorage(const void* data, size_t nbytes, hlo::ElementType element, int device_index,
-                              std::string producer);
+                              std::string producer, int64_t numel = -1);
   // Host data (dense, row-major) -> a new device buffer.
   std::shared_ptr<pjrt::Buffer> Upload(const void* data, hlo::ElementType element,
                                        std::span<const int64_t> dims, int device_index);

@@ -2,13 +2,21 @@
 // signature (OpCache) and launched asynchronously, in program order. It does
 // not wait: an execution error surfaces at the next sync point (.item(),
 // .cpu(), torch.tpu.synchronize()), naming the op (Runtime::Sync).
+//
+// Host-first calls (DESIGN.md "Host-first calls"): a call whose program is
+// not compiled yet (in memory or on disk) and that qualifies (OpCache::Lookup)
+// is served on the host by the ATen CPU kernel while its program compiles on
+// the background compile thread; the next call of the key waits for it.
 #include "runtime/compiled_op.h"
 #include "runtime/executor.h"
 
 namespace torch_tpu::runtime {
 
 void RunStrict(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry) {
-  std::shared_ptr<const CompiledOp> compiled = GlobalOpCache().Lookup(op, *stack, entry, /*shape_poly=*/true);
+  bool host_served = false;
+  std::shared_ptr<const CompiledOp> compiled =
+      GlobalOpCache().Lookup(op, *stack, entry, /*shape_poly=*/true, &host_served);
+  if (host_served) return ServeOnHost(*compiled, op, *stack, op.schema().arguments().size());
   Launch(*compiled, *stack, op.schema().arguments().size());
 }
 

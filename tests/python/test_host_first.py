@@ -1,0 +1,291 @@
+"""Host-first calls in strict mode (docs/design.md, "Host-first calls").
+
+A call whose single-op program is neither in memory nor in the disk cache is
+served on the host by the ATen CPU kernel while its program compiles on the
+background compile thread; every later call of the key waits for that
+compile and runs on the device. Checked here, each in a fresh process with
+the disk cache off (TORCH_TPU_CACHE_DIR="": every program is new) or in a
+temporary directory:
+
+- values: the host-served first call and the device-run second call both
+  match CPU PyTorch on the same inputs (exact for integers and bool; floats
+  within torch.testing's float32 tolerance: the device program may round
+  differently in the last ulp);
+- counts: the first call is host-served (metrics()["host_served"] + 1, no
+  execution, one compile counted), the second executes its program with no
+  compile; results have the layout the device program gives (contiguous),
+  so a chain of ops compiles each key once;
+- shape-polymorphic programs: a bucket's program is host-first too, and the
+  next length of the bucket runs it;
+- exclusions: random ops (the tpu generator's stream is the same with and
+  without host-first), calls over TORCH_TPU_HOST_FIRST_MAX_BYTES, programs
+  on disk, debug and fused modes, TORCH_TPU_HOST_FIRST=0;
+- errors the CPU kernel raises surface at the op;
+- a host-served call is not a CPU fallback (metrics()["cpu_fallbacks"]).
+
+Each check runs fresh processes (the switches are read once per process):
+the default tier keeps values, counts, random ops, big calls, modes and
+errors; polymorphic buckets, the disk cache, TORCH_TPU_HOST_FIRST=0 and bad
+environment values are in the full tier (make test-full).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import run_python
+
+PRELUDE = r"""
+import json, sys, torch, torch_tpu
+torch_tpu.set_eager_mode("strict")
+out = {}
+def snap():
+    m = torch_tpu.metrics()
+    return {k: m[k] for k in ("host_served", "executions", "compiles")}
+def delta(fn):
+    torch.tpu.synchronize()
+    a = snap()
+    r = fn()
+    b = snap()
+    return r, {k: b[k] - a[k] for k in a}
+def cpu(t):
+    return t.cpu()
+"""
+
+
+def run(code: str, env: dict | None = None) -> dict:
+    full = {"TORCH_TPU_CACHE_DIR": ""}
+    full.update(env or {})
+    r = run_python(PRELUDE + code + "\nprint('JSON' + json.dumps(out))\n", env=full, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    line = [l for l in r.stdout.splitlines() if l.startswith("JSON")][-1]
+    return json.loads(line[4:])
+
+
+VALUES = r"""
+g = torch.Generator().manual_seed(0)
+xf = torch.randn(5, 7, generator=g); yf = torch.randn(5, 7, generator=g)
+xi = torch.randint(-50, 50, (6, 3), generator=g); yi = torch.randint(1, 9, (6, 3), generator=g)
+X, Y, XI, YI = xf.to("tpu"), yf.to("tpu"), xi.to("tpu"), yi.to("tpu")
+fb0 = dict(torch_tpu.metrics()["cpu_fallbacks"])
+cases = {
+    "add": (lambda a, b, c, d: a + b, "float"),
+    "exp": (lambda a, b, c, d: torch.exp(a), "float"),
+    "sum_dim": (lambda a, b, c, d: a.sum(1), "float"),
+    "t_add": (lambda a, b, c, d: a.t() + 1.5, "float"),
+    "mul_int": (lambda a, b, c, d: c * d, "int"),
+    "floordiv_int": (lambda a, b, c, d: torch.floor_divide(c, d), "int"),
+    "lt_bool": (lambda a, b, c, d: a < b, "int"),
+    "where": (lambda a, b, c, d: torch.where(a > 0, a, b), "float"),
+}
+for name, (fn, kind) in cases.items():
+    want = fn(xf, yf, xi, yi)
+    r1, d1 = delta(lambda: cpu(fn(X, Y, XI, YI)))
+    t1 = fn(X, Y, XI, YI)  # second call: the device program
+    r2, d2 = delta(lambda: cpu(fn(X, Y, XI, YI)))
+    if kind == "int":
+        ok1, ok2 = torch.equal(r1, want), torch.equal(r2, want)
+    else:
+        ok1 = torch.allclose(r1, want, rtol=1.3e-6, atol=1e-5, equal_nan=True)
+        ok2 = torch.allclose(r2, want, rtol=1.3e-6, atol=1e-5, equal_nan=True)
+    out[name] = dict(first=d1, second=d2, ok1=ok1, ok2=ok2, dtype1=str(r1.dtype), dtype2=str(r2.dtype),
+                     want_dtype=str(want.dtype), contiguous=t1.is_contiguous())
+# In-place: the written storage is uploaded back; a chain of ops compiles each key once.
+a = xf.clone(); A = a.to("tpu")
+_, d_inplace1 = delta(lambda: A.add_(Y, alpha=2.0))
+a.add_(yf, alpha=2.0)
+_, d_inplace2 = delta(lambda: A.add_(Y, alpha=2.0))
+a.add_(yf, alpha=2.0)
+out["inplace"] = dict(first=d_inplace1, second=d_inplace2, ok=torch.allclose(A.cpu(), a, rtol=1.3e-6, atol=1e-5))
+def chain(x):
+    return ((x * 3 + 1).relu() - x).abs().sum()
+_, c1 = delta(lambda: chain(X).cpu())
+_, c2 = delta(lambda: chain(X).cpu())
+_, c3 = delta(lambda: chain(X).cpu())
+out["chain"] = dict(first=c1, second=c2, third=c3,
+                    ok=torch.allclose(chain(X).cpu(), chain(xf), rtol=1.3e-6, atol=1e-5))
+fb1 = dict(torch_tpu.metrics()["cpu_fallbacks"])
+out["fallbacks"] = {k: v - fb0.get(k, 0) for k, v in fb1.items() if v != fb0.get(k, 0)}
+"""
+
+
+@pytest.fixture(scope="module")
+def values():
+    return run(VALUES)
+
+
+CASES = ["add", "exp", "sum_dim", "t_add", "mul_int", "floordiv_int", "lt_bool", "where"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_first_call_host_served_then_device(values, name):
+    r = values[name]
+    assert r["ok1"] and r["ok2"], r
+    assert r["dtype1"] == r["dtype2"] == r["want_dtype"]
+    # First call: served on the host (one call per op), each op's compile
+    # counted, nothing executed; second call: the compiled programs run.
+    first, second = r["first"], r["second"]
+    assert first["host_served"] == first["compiles"] >= 1 and first["executions"] == 0, r
+    assert second == {"host_served": 0, "executions": first["host_served"], "compiles": 0}, r
+    assert r["contiguous"]
+
+
+def test_inplace_and_chain(values):
+    r = values["inplace"]
+    assert r["ok"]
+    assert r["first"] == {"host_served": 1, "executions": 0, "compiles": 1}, r
+    assert r["second"] == {"host_served": 0, "executions": 1, "compiles": 0}, r
+    c = values["chain"]
+    assert c["ok"]
+    assert c["first"]["host_served"] == c["first"]["compiles"] > 0 and c["first"]["executions"] == 0, c
+    # Host-served results have the device program's layout: the second pass
+    # sees the same keys, so it compiles nothing and serves nothing on the host.
+    assert c["second"]["compiles"] == 0 and c["second"]["host_served"] == 0, c
+    assert c["third"] == c["second"], c
+
+
+def test_not_a_cpu_fallback(values):
+    assert values["fallbacks"] == {}
+
+
+POLY = r"""
+res = []
+for n in (10, 11, 12, 13, 17, 18):
+    xc = torch.randn(n, 4); X = xc.to("tpu")
+    r, d = delta(lambda: cpu(torch.relu(X) * 2))
+    res.append(dict(n=n, d=d, ok=torch.equal(r, torch.relu(xc) * 2)))
+out["poly"] = res
+"""
+
+
+@pytest.mark.full_tier  # two fresh processes or more: make test-full
+def test_poly_bucket_program_host_first():
+    on = run(POLY)["poly"]
+    off = run(POLY, env={"TORCH_TPU_HOST_FIRST": "0"})["poly"]
+    assert all(r["ok"] for r in on + off), (on, off)
+    # The same programs compile with and without host-first (exact ones for
+    # the first lengths, then buckets' programs); each compile's call is the
+    # host-served one, every other call executes a program.
+    assert [r["d"]["compiles"] for r in on] == [r["d"]["compiles"] for r in off], (on, off)
+    for r in on:
+        assert r["d"]["host_served"] == r["d"]["compiles"], on
+        assert r["d"]["executions"] + r["d"]["host_served"] == 2, on
+    # The bucket programs serve later lengths: some step compiles nothing.
+    assert any(r["d"]["compiles"] == 0 for r in on[2:]), on
+
+
+RANDOM = r"""
+torch.manual_seed(7)
+X = torch.randn(6, 5).to("tpu")
+vals = []
+for _ in range(2):
+    a = torch.exp(X)                     # host-served the first time
+    b = torch.rand(6, 5, device="tpu")  # random: compiled synchronously, on the device
+    c = torch.nn.functional.dropout(X, 0.5, training=True)
+    vals.append([b.cpu().tolist(), c.cpu().tolist()])
+_, d = delta(lambda: torch.rand(3, 2, device="tpu").cpu())
+out["vals"] = vals
+out["rand_first"] = d
+"""
+
+
+def test_random_ops_keep_their_stream():
+    on = run(RANDOM)
+    off = run(RANDOM, env={"TORCH_TPU_HOST_FIRST": "0"})
+    assert on["vals"] == off["vals"]
+    assert on["rand_first"]["host_served"] == 0 and on["rand_first"]["executions"] == 1
+
+
+BIG = r"""
+X = torch.randn(64, 64).to("tpu")            # 16 KiB in, 16 KiB out
+_, d_big = delta(lambda: (X + 1).cpu())
+Z = torch.randn(8).to("tpu")
+_, d_small = delta(lambda: (Z + 1).cpu())
+out["big"] = d_big
+out["small"] = d_small
+"""
+
+
+def test_big_calls_compile_synchronously():
+    r = run(BIG, env={"TORCH_TPU_HOST_FIRST_MAX_BYTES": "16384"})
+    assert r["big"]["host_served"] == 0 and r["big"]["executions"] == 1, r
+    assert r["small"]["host_served"] == 1 and r["small"]["executions"] == 0, r
+
+
+@pytest.mark.full_tier  # two fresh processes or more: make test-full
+def test_programs_on_disk_run_on_the_device(tmp_path):
+    code = r"""
+X = torch.arange(12.0).reshape(3, 4).to("tpu")
+r, d = delta(lambda: (X * 2 - 1).cpu())
+out["d"] = d
+out["ok"] = torch.equal(r, torch.arange(12.0).reshape(3, 4) * 2 - 1)
+"""
+    env = {"TORCH_TPU_CACHE_DIR": str(tmp_path)}
+    first = run(code, env)  # exit waits for the background compiles (they write the cache)
+    second = run(code, env)
+    assert first["ok"] and second["ok"]
+    assert first["d"]["host_served"] == 2, first
+    assert second["d"] == {"host_served": 0, "executions": 2, "compiles": 2}, second
+
+
+MODES = r"""
+for mode in ("debug", "fused"):
+    torch_tpu.set_eager_mode(mode)
+    X = torch.randn(3, 9 if mode == "debug" else 10).to("tpu")
+    r, d = delta(lambda: (X.cos() + 2).cpu())
+    out[mode] = dict(d=d, ok=torch.allclose(r, X.cpu().cos() + 2))
+torch_tpu.set_eager_mode("strict")
+"""
+
+
+def test_debug_and_fused_modes_compile_synchronously():
+    r = run(MODES)
+    assert r["debug"]["ok"] and r["fused"]["ok"]
+    assert r["debug"]["d"]["host_served"] == 0 and r["fused"]["d"]["host_served"] == 0, r
+
+
+@pytest.mark.full_tier  # two fresh processes or more: make test-full
+def test_switched_off():
+    r = run(BIG, env={"TORCH_TPU_HOST_FIRST": "0"})
+    assert r["small"]["host_served"] == 0 and r["small"]["executions"] == 1, r
+
+
+ERRORS = r"""
+X = torch.randn(4, 3).to("tpu")
+bad = torch.tensor([0, 7]).to("tpu")
+torch.tpu.synchronize()
+try:
+    torch.index_select(X, 0, bad)
+    out["raised"] = None
+except Exception as e:
+    out["raised"] = type(e).__name__
+    out["message"] = str(e)
+try:
+    torch.index_select(torch.randn(4, 3), 0, torch.tensor([0, 7]))
+except Exception as e:
+    out["cpu_raised"] = type(e).__name__
+    out["cpu_message"] = str(e)
+good = torch.tensor([3, 1]).to("tpu")
+r, d = delta(lambda: torch.index_select(X, 0, good).cpu())
+out["good"] = torch.equal(r, torch.index_select(X.cpu(), 0, torch.tensor([3, 1])))
+out["good_d"] = d
+"""
+
+
+def test_cpu_errors_surface_at_the_op():
+    r = run(ERRORS)
+    assert r["raised"] == r["cpu_raised"] and r["raised"] is not None, r
+    assert r["message"].split("\n")[0] == r["cpu_message"].split("\n")[0], r
+    # The program compiled for the failing call's key serves the next call.
+    assert r["good"] and r["good_d"]["compiles"] == 0 and r["good_d"]["host_served"] == 0, r
+
+
+@pytest.mark.full_tier
+@pytest.mark.parametrize("var,value", [("TORCH_TPU_HOST_FIRST", "yes"), ("TORCH_TPU_HOST_FIRST_MAX_BYTES", "-1")])
+def test_bad_environment_is_named(var, value):
+    code = PRELUDE + "X = torch.randn(3).to('tpu')\n(X + 1).cpu()\n"
+    r = run_python(code, env={"TORCH_TPU_CACHE_DIR": "", var: value}, timeout=120)
+    assert r.returncode != 0
+    assert var in r.stderr
