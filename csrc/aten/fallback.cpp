@@ -18,6 +18,7 @@
 //    location" where CPU raises it (add_, mul_, out= ...) and computes what
 //    CPU computes where CPU allows it (index_put_, masked_fill_, ...).
 #include <ATen/MemoryOverlap.h>
+#include <ATen/ops/result_type.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/native/Resize.h>
 #include <torch/library.h>
@@ -393,7 +394,53 @@ bool WritesSharedStorage(const c10::OperatorHandle& op, const torch::jit::Stack&
   return false;
 }
 
+// Argument checks CPU's kernels make that the meta kernels (PyTorch's
+// Python refs, more permissive) do not, raised with CPU's messages before
+// anything runs:
+// - out= of another dtype than `self` for ops whose CPU TensorIterator is
+//   built with check_all_same_dtype (trait out_same_dtype; TensorIterator's
+//   "Found dtype <out> but expected <self>");
+// - `alpha` of the wrong kind for the result dtype (add/sub/rsub:
+//   ATen's alpha_check over result_type(self, other)).
+void CheckArgumentsLikeCpu(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
+                           const lowering::LoweringEntry& entry) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack.size() - args.size();
+  std::optional<size_t> self, other, alpha;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i].name() == "self") self = i;
+    else if (args[i].name() == "other") other = i;
+    else if (args[i].name() == "alpha") alpha = i;
+  }
+  if (entry.traits.out_same_dtype && self && stack[first + *self].isTensor()) {
+    const at::Tensor& s = stack[first + *self].toTensor();
+    for (size_t i = 0; i < args.size(); ++i) {
+      if (!args[i].is_out() || !stack[first + i].isTensor()) continue;
+      const at::Tensor& out = stack[first + i].toTensor();
+      if (s.defined() && out.defined())
+        TORCH_CHECK(out.scalar_type() == s.scalar_type(), "Found dtype ", out.scalar_type(), " but expected ",
+                    s.scalar_type());
+    }
+  }
+  if (alpha && self && other && stack[first + *alpha].isScalar() && stack[first + *self].isTensor()) {
+    const c10::Scalar a = stack[first + *alpha].toScalar();
+    const c10::IValue& o = stack[first + *other];
+    const at::Tensor& s = stack[first + *self].toTensor();
+    if (!s.defined()) return;
+    at::ScalarType dtype;
+    if (o.isTensor() && o.toTensor().defined()) dtype = at::result_type(s, o.toTensor());
+    else if (o.isScalar()) dtype = at::result_type(s, o.toScalar());
+    else return;
+    TORCH_CHECK(!a.isBoolean() || dtype == at::ScalarType::Bool, "Boolean alpha only supported for Boolean results.");
+    TORCH_CHECK(at::isFloatingType(dtype) || at::isComplexType(dtype) || a.isIntegral(true),
+                "For integral input tensors, argument alpha must not be a floating point number.");
+    TORCH_CHECK(at::isComplexType(dtype) || !a.isComplex(),
+                "For non-complex input tensors, argument alpha must not be a complex number.");
+  }
+}
+
 void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (const lowering::LoweringEntry* e = EntryFor(op)) CheckArgumentsLikeCpu(op, *stack, *e);
   if (AnyMathBits(op, *stack)) return RunResolvingMathBits(op, stack);
   if (WritesOverlappingTensor(op, *stack)) return RunOnCpuMirror(op, stack);
   const lowering::LoweringEntry* entry = EntryFor(op);
@@ -468,10 +515,14 @@ void ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle&
   const std::string producer = compiled.name + " (host-first, on the CPU)";
   for (auto& [r, sizes] : new_outputs) {
     const runtime::OutputSlot& o = compiled.outputs[static_cast<size_t>(compiled.returns[r].index)];
-    at::Tensor host = stack[rfirst + r].toTensor().contiguous();
+    // In the program's memory order: row-major, or the meta kernel's dense
+    // permuted strides (OutputSlot::strides; never with a dynamic extent).
+    const at::Tensor& result = stack[rfirst + r].toTensor();
+    at::Tensor host = o.strides.empty() ? result.contiguous()
+                                        : at::empty_strided(sizes, o.strides, result.options()).copy_(result);
     auto sb = rt.UploadStorage(host.data_ptr(), static_cast<size_t>(host.numel()) * host.element_size(), o.element,
                                device_index, producer, o.numel);
-    returns[r] = runtime::WrapBuffer(std::move(sb), sizes, o.dtype, device_index);
+    returns[r] = runtime::WrapBuffer(std::move(sb), sizes, o.dtype, device_index, o.strides);
   }
   for (const auto& o : compiled.outputs) {
     if (o.kind != runtime::OutputSlot::Kind::kStorageWrite) continue;

@@ -1094,6 +1094,10 @@ TORCH_TPU_LOWERINGS({
     {"tril", LowerTril},
     {"triu", LowerTriu},
     {"arange", LowerArange, {.static_scalars = true, .out_resized_by_numel = true}},
+    // range(start, end, step): end inclusive; CPU's range_out computes
+    // start + i * step in acc_type (double for float/double, float for
+    // half/bfloat16, int64 for integers), as arange: its lowering serves.
+    {"range", LowerArange, {.static_scalars = true, .out_resized_by_numel = true}},
     {"full", LowerFull},
     {"eye", LowerEye},
     {"sort", LowerSort},

@@ -183,6 +183,11 @@ struct LoweringTraits {
   // result.resize_({n})`); an out of the right numel keeps its shape and
   // strides and receives the values in its logical order.
   bool out_resized_by_numel = false;
+  // CPU builds the op's TensorIterator with check_all_same_dtype (unary
+  // ops: neg, abs, sign, floor, ...): an out= of another dtype than `self`
+  // raises "Found dtype <out> but expected <self>" (checked before lowering,
+  // aten/fallback.cpp) instead of being cast into.
+  bool out_same_dtype = false;
   std::vector<IndexCheck> index_checks;
   // The lowering computes complex (c64/c128) inputs and outputs with
   // PyTorch's complex semantics. Without it a call with a complex tensor

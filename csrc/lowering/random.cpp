@@ -8,7 +8,9 @@
 // differ and torch.manual_seed reproduces a sequence. The streams are not
 // PyTorch's CPU streams (no backend matches them); the distributions are.
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <optional>
 
 #include "lowering/helpers.h"
 
@@ -130,6 +132,32 @@ std::vector<Value> LowerBernoulli(LoweringContext& ctx) {
 
 // random_: integers uniform in [from, to) (defaults: [0, 2^mantissa] for
 // floats, [0, max] for integers, as PyTorch).
+// True when random_(from, to) with these bounds is valid on CPU and needs
+// none of its floating-point bound adjustments (update_from/update_to) or
+// warnings: from < to (to given), and from and the top value (to - 1, or
+// the dtype's largest value for to=None) in the dtype's range, within
+// +-2^digits for floating dtypes (aten/native/DistributionTemplates.h).
+bool RandomBoundsPlain(at::ScalarType t, int64_t from, std::optional<int64_t> to) {
+  if (to && from >= *to) return false;
+  int64_t lo = 0, hi = 0;
+  switch (t) {
+    case at::kBool: lo = 0, hi = 1; break;
+    case at::kByte: lo = 0, hi = 255; break;
+    case at::kChar: lo = -128, hi = 127; break;
+    case at::kShort: lo = -32768, hi = 32767; break;
+    case at::kInt: lo = INT32_MIN, hi = INT32_MAX; break;
+    case at::kLong: lo = INT64_MIN, hi = INT64_MAX; break;
+    case at::kHalf: lo = -(int64_t{1} << 11), hi = int64_t{1} << 11; break;
+    case at::kBFloat16: lo = -(int64_t{1} << 8), hi = int64_t{1} << 8; break;
+    case at::kFloat: lo = -(int64_t{1} << 24), hi = int64_t{1} << 24; break;
+    case at::kDouble: lo = -(int64_t{1} << 53), hi = int64_t{1} << 53; break;
+    default: return false;
+  }
+  if (from < lo || from > hi) return false;
+  if (to && (*to - 1 < lo || *to - 1 > hi)) return false;
+  return true;
+}
+
 std::vector<Value> LowerRandom(LoweringContext& ctx) {
   auto& b = ctx.b;
   const auto& out = ctx.outputs[0];
@@ -152,6 +180,14 @@ std::vector<Value> LowerRandom(LoweringContext& ctx) {
   };
   if (ctx.find("from")) {
     from = ctx.int_arg("from");
+    // CPU's random_from_to_impl checks from < to and that from and to - 1
+    // (or the dtype's top) fit the dtype, adjusts floating bounds past
+    // 2^digits to representable values and warns there: such calls run on
+    // the CPU, which raises (or warns and computes) as it does.
+    const std::optional<int64_t> to =
+        ctx.has("to") ? std::optional<int64_t>(ctx.int_arg("to")) : std::nullopt;
+    if (!RandomBoundsPlain(out.dtype, from, to))
+      throw LoweringError(ctx.op_name() + ": from/to outside the dtype's plain range (CPU checks and adjusts them)");
     if (ctx.has("to")) {
       range = static_cast<uint64_t>(ctx.int_arg("to")) - static_cast<uint64_t>(from);
     } else {
@@ -161,6 +197,8 @@ std::vector<Value> LowerRandom(LoweringContext& ctx) {
                                      : static_cast<uint64_t>(top) - static_cast<uint64_t>(from);
     }
   } else if (ctx.has("to")) {
+    if (!RandomBoundsPlain(out.dtype, 0, ctx.int_arg("to")))  // random_(to): from = 0
+      throw LoweringError(ctx.op_name() + ": to outside the dtype's plain range (CPU checks and adjusts it)");
     range = static_cast<uint64_t>(ctx.int_arg("to"));
   } else {
     int64_t top = default_to();

@@ -386,6 +386,34 @@ bool DumpHlo() {
   return dump;
 }
 
+// A new output's strides as the meta kernel gives them, where they differ
+// from row-major and describe a dense non-overlapping layout (a permutation
+// of the dims: channels_last, a permuted input's TensorIterator order);
+// anything else (and zero elements) is allocated contiguous, as before.
+std::vector<int64_t> NewTensorStrides(const at::Tensor& mt) {
+  if (!mt.defined() || mt.numel() == 0 || mt.storage_offset() != 0) return {};
+  if (mt.strides() == c10::contiguous_strides(mt.sizes())) return {};
+  if (!mt.is_non_overlapping_and_dense()) return {};
+  return mt.strides().vec();
+}
+
+// The dims from outermost to innermost in memory for dense `strides`
+// (size-1 dims, whose stride is free, keep their logical place).
+std::vector<int64_t> PhysicalOrder(std::span<const int64_t> sizes, std::span<const int64_t> strides) {
+  std::vector<int64_t> order(sizes.size());
+  for (size_t d = 0; d < order.size(); ++d) order[d] = static_cast<int64_t>(d);
+  std::vector<int64_t> big;  // dims of size > 1, outermost first
+  for (int64_t d : order)
+    if (sizes[static_cast<size_t>(d)] != 1) big.push_back(d);
+  std::stable_sort(big.begin(), big.end(), [&](int64_t a, int64_t b) {
+    return strides[static_cast<size_t>(a)] > strides[static_cast<size_t>(b)];
+  });
+  size_t k = 0;
+  for (auto& d : order)
+    if (sizes[static_cast<size_t>(d)] != 1) d = big[k++];
+  return order;
+}
+
 }  // namespace
 
 CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
@@ -453,6 +481,7 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
     spec.defined.push_back(mt.defined());
     if (mt.defined()) spec.outputs.push_back({mt.scalar_type(), mt.sizes().vec()});
     else spec.outputs.push_back({at::kFloat, {}});  // placeholder: the lowering's value is dropped
+    spec.strides.push_back(NewTensorStrides(mt));
   }
   // out= tensors of other sizes are resized as PyTorch's resize_output does
   // (before every launch that shares the key); for `out_resized_by_numel`
@@ -775,6 +804,14 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
       for (int64_t d : out.sizes) n *= d;
       v = n == v.type.numel() ? b.Reshape(v, out.sizes) : lowering::BroadcastTo(b, v, out.sizes);
     }
+    // The new tensor's strides (CallSpec::strides): its values in memory
+    // order, so the flat buffer is that layout.
+    if (r < spec.strides.size() && !spec.strides[r].empty()) {
+      std::vector<int64_t> order = PhysicalOrder(out.sizes, spec.strides[r]);
+      bool identity = true;
+      for (size_t d = 0; d < order.size(); ++d) identity = identity && order[d] == static_cast<int64_t>(d);
+      if (!identity) v = b.Transpose(v, order);
+    }
     new_values[r] = v;
   }
   for (auto& [arg_name, value] : ctx.writes) {
@@ -898,7 +935,10 @@ CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
     }
     if (real.return_alias[r] >= 0 && !dynamic_out[r])
       throw UnsupportedOp("shape polymorphism: writes a tensor without the dynamic dim");
+    if (real.return_alias[r] < 0 && !real.strides[r].empty())
+      throw UnsupportedOp("shape polymorphism: a new output is not row-major");
   }
+  at_b.strides.assign(n, {});  // row-major, as the call's own
   return at_b;
 }
 
@@ -959,6 +999,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     slot.kind = OutputSlot::Kind::kNewTensor;
     slot.dtype = out.dtype;
     slot.sizes = out.sizes;
+    slot.strides = spec.strides[r];
     slot.element = lowering::ToElementType(out.dtype);
     slot.numel = n;
     slot.dynamic = dynamic;
@@ -1369,11 +1410,16 @@ DeviceStorage& StorageOf(const at::Tensor& t) {
       "export a tensor with storage_offset() == 0, e.g. t.clone()");
 }
 
-at::Tensor WrapBuffer(StorageBuffer buffer, at::IntArrayRef sizes, at::ScalarType dtype, int device_index) {
+at::Tensor WrapBuffer(StorageBuffer buffer, at::IntArrayRef sizes, at::ScalarType dtype, int device_index,
+                      at::IntArrayRef strides) {
   c10::DeviceGuard guard(c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_index)));
-  at::Tensor t = at::detail::empty_generic(sizes, c10::GetAllocator(c10::DeviceType::PrivateUse1),
-                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), dtype,
-                                           std::nullopt);
+  at::Tensor t = strides.empty()
+                     ? at::detail::empty_generic(sizes, c10::GetAllocator(c10::DeviceType::PrivateUse1),
+                                                 c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), dtype,
+                                                 std::nullopt)
+                     : at::detail::empty_strided_generic(sizes, strides,
+                                                         c10::GetAllocator(c10::DeviceType::PrivateUse1),
+                                                         c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), dtype);
   StorageOf(t).Set(std::move(buffer));
   return t;
 }
@@ -1478,7 +1524,7 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
       sizes[0] = TensorOf(arg_of, 0, op.poly_leader, -1).size(0);
       new_tensors.push_back(WrapBuffer(std::move(sb), sizes, o.dtype, li.device_index));
     } else if (o.kind == OutputSlot::Kind::kNewTensor) {
-      new_tensors.push_back(WrapBuffer(std::move(sb), o.sizes, o.dtype, li.device_index));
+      new_tensors.push_back(WrapBuffer(std::move(sb), o.sizes, o.dtype, li.device_index, o.strides));
     } else {
       StorageOf(TensorOf(arg_of, 0, o.arg, o.item)).Set(std::move(sb));
     }

@@ -65,6 +65,7 @@ struct OutputSlot {
   int16_t arg = -1, item = -1;  // kStorageWrite: whose storage is replaced
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> sizes;   // kNewTensor (sizes[0]: the bucket where `dynamic`)
+  std::vector<int64_t> strides; // kNewTensor: CallSpec::strides (empty: contiguous)
   hlo::ElementType element = hlo::ElementType::kF32;
   int64_t numel = 0;            // elements of the output buffer
   bool dynamic = false;         // kNewTensor: sizes[0] is the launch's extent
@@ -85,6 +86,11 @@ struct CallSpec {
   std::vector<int16_t> return_alias;          // written argument, or -1 for a new tensor
   std::vector<std::pair<int16_t, std::vector<int64_t>>> resize_outputs;
   std::vector<bool> defined;                  // false: the op returns an undefined tensor (output_mask)
+  // Per return: a new tensor's strides where they are not row-major (the
+  // meta kernel's: TensorIterator's stride propagation, memory_format=), a
+  // dense non-overlapping permutation; empty: contiguous. The program writes
+  // the value in that physical order (AddCall), so the tensor has CPU's strides.
+  std::vector<std::vector<int64_t>> strides;
 };
 
 // A compile running on the background compile thread (host-first calls,
@@ -394,6 +400,7 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
 // The device storage behind a `tpu` tensor.
 DeviceStorage& StorageOf(const at::Tensor& t);
 // A new contiguous `tpu` tensor whose storage holds `buffer`.
-at::Tensor WrapBuffer(StorageBuffer buffer, at::IntArrayRef sizes, at::ScalarType dtype, int device_index);
+at::Tensor WrapBuffer(StorageBuffer buffer, at::IntArrayRef sizes, at::ScalarType dtype, int device_index,
+                      at::IntArrayRef strides = {});
 
 }  // namespace torch_tpu::runtime

@@ -265,9 +265,15 @@ class FusedExecutor {
       } else {
         const auto& out = spec.outputs[r];
         c10::DeviceGuard guard(c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_index)));
-        at::Tensor t = at::detail::empty_generic(out.sizes, c10::GetAllocator(c10::DeviceType::PrivateUse1),
-                                                 c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), out.dtype,
-                                                 std::nullopt);
+        // CPU's strides (CallSpec::strides; AddCall writes that memory order).
+        at::Tensor t = spec.strides[r].empty()
+                           ? at::detail::empty_generic(out.sizes, c10::GetAllocator(c10::DeviceType::PrivateUse1),
+                                                       c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), out.dtype,
+                                                       std::nullopt)
+                           : at::detail::empty_strided_generic(out.sizes, spec.strides[r],
+                                                               c10::GetAllocator(c10::DeviceType::PrivateUse1),
+                                                               c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                               out.dtype);
         DeviceStorage& ds = StorageOf(t);
         hlo::ElementType e = lowering::ToElementType(out.dtype);
         ds.MarkPending(e, Capacity(t.numel()));  // the buffer the region will give it

@@ -100,6 +100,42 @@ CASES = {
     "scatter_index_out_of_range": (lambda x, i, s: x.scatter(0, i, s),
                                    [torch.zeros(3, 5), torch.tensor([[34, 1], [1, 2]]), torch.randn(2, 5)],
                                    "out of (bounds|range) for dimension 0"),
+    # out= of another dtype where CPU's TensorIterator requires self's (unary ops)
+    "neg_out_float_for_long": (lambda x, o: torch.neg(x, out=o), [torch.tensor([1, 2]), torch.empty(0)],
+                               "Found dtype Float but expected Long"),
+    "neg_out_complex_for_double": (lambda x, o: torch.neg(x, out=o),
+                                   [torch.ones(2, dtype=torch.float64), torch.empty(0, dtype=torch.complex128)],
+                                   "Found dtype ComplexDouble but expected Double"),
+    "abs_out_double_for_float": (lambda x, o: torch.abs(x, out=o), [torch.ones(3), torch.empty(3, dtype=torch.float64)],
+                                 "Found dtype Double but expected Float"),
+    "floor_out_float_for_long": (lambda x, o: torch.floor(x, out=o), [torch.tensor([1, 2]), torch.empty(0)],
+                                 "Found dtype Float but expected Long"),
+    "bitwise_not_out_long_for_int": (lambda x, o: torch.bitwise_not(x, out=o),
+                                     [torch.tensor([1, 2], dtype=torch.int32), torch.empty(0, dtype=torch.int64)],
+                                     "Found dtype Long but expected Int"),
+    # alpha of the wrong kind for the result dtype (ATen's alpha_check)
+    "add_float_alpha_int": (lambda x: torch.add(x, x, alpha=1.1), [torch.ones(4, dtype=torch.int)],
+                            "For integral input tensors, argument alpha must not be a floating point number"),
+    "add_float_alpha_bool": (lambda x: torch.add(x, x, alpha=1.1), [torch.ones(4, dtype=torch.bool)],
+                             "alpha must not be a floating point number"),
+    "sub_float_alpha_int": (lambda x: torch.sub(x, 1, alpha=0.5), [torch.ones(4, dtype=torch.int64)],
+                            "alpha must not be a floating point number"),
+    "add_bool_alpha_int": (lambda x: torch.add(x, x, alpha=True), [torch.ones(4, dtype=torch.int)],
+                           "Boolean alpha only supported for Boolean results"),
+    "add_complex_alpha_float": (lambda x: torch.add(x, x, alpha=1j), [torch.ones(4)],
+                                "For non-complex input tensors, argument alpha must not be a complex number"),
+    # random_(from, to) outside the dtype's range (CPU's check_from_to_in_range)
+    "random_from_ge_to": (lambda x: x.random_(5, 3), [torch.empty(4)],
+                          "random_ expects 'from' to be less than 'to', but got from=5 >= to=3"),
+    "random_from_below_uint8": (lambda x: x.random_(-1, 5), [torch.empty(4, dtype=torch.uint8)],
+                                "from is out of bounds for unsigned char"),
+    "random_to_above_int8": (lambda x: x.random_(0, 1000), [torch.empty(4, dtype=torch.int8)],
+                             "to - 1 is out of bounds for signed char"),
+    "random_bool_to": (lambda x: x.random_(0, 3), [torch.empty(4, dtype=torch.bool)], "to - 1 is out of bounds for bool"),
+    "random_to_above_half": (lambda x: x.random_(70000), [torch.empty(4, dtype=torch.float16)],
+                             "to - 1 is out of bounds for c10::Half"),
+    "random_from_above_half": (lambda x: x.random_(70000, 70010), [torch.empty(4, dtype=torch.float16)],
+                               "from is out of bounds for c10::Half"),
 }
 
 
@@ -123,6 +159,27 @@ def test_pow_scalar_check_is_per_value(mode):
         torch.tpu.synchronize()
         assert torch_tpu.metrics()["compiles"] == compiles
         torch.testing.assert_close((x ** 3).cpu(), INT ** 3)  # the failed check left nothing pending
+
+
+def test_valid_out_dtype_alpha_and_random_bounds_still_lower():
+    """What CPU accepts runs as before, on the device: out= of self's dtype,
+    alpha of the result's kind (int alpha on floats, bool on bools), and
+    random_ bounds inside the dtype's range (values in [from, to))."""
+    from conftest import no_cpu_fallback
+    x = torch.tensor([1.5, -2.25, 3.0])
+    i = torch.tensor([3, -4, 5])
+    with no_cpu_fallback():
+        out = torch.empty(0, device=TPU)
+        torch.neg(x.to(TPU), out=out)
+        torch.testing.assert_close(out.cpu(), -x, rtol=0, atol=0)
+        torch.testing.assert_close(torch.add(x.to(TPU), x.to(TPU), alpha=2).cpu(), x + 2 * x, rtol=0, atol=0)
+        torch.testing.assert_close(torch.add(i.to(TPU), i.to(TPU), alpha=3).cpu(), i + 3 * i, rtol=0, atol=0)
+        b = torch.tensor([True, False])
+        torch.testing.assert_close(torch.add(b.to(TPU), b.to(TPU), alpha=True).cpu(), b + b)
+        for dtype, lo, hi in ((torch.int8, -100, 120), (torch.uint8, 3, 250), (torch.float16, -2048, 2049),
+                              (torch.float32, 0, 10)):
+            r = torch.empty(2000, dtype=dtype, device=TPU).random_(lo, hi).cpu()
+            assert lo <= r.min().item() and r.max().item() < hi, (dtype, r.min(), r.max())
 
 
 def test_valid_inputs_still_compute():

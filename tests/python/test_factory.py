@@ -147,3 +147,37 @@ def test_factory_out_of_other_numel_is_resized_like_cpu():
         torch.linspace(0, 1, n, out=out_tpu)
         assert out_tpu.shape == (n,) and out_tpu.stride() == (1,)
         check_exact(base_tpu, base_cpu)
+
+
+# --- torch.range (aten::range, end inclusive): lowered with arange's
+# formula (CPU's range_out: start + i * step in acc_type), so the only
+# warning is torch.range's own deprecation warning.
+
+RANGE_CASES = [(0, 10, 1), (1, 4, 0.5), (-3.5, 2.25, 0.75), (0, 1, 0.1), (10, 0, -3), (2, 2, 1), (0, 1e4, 7.3)]
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float64, torch.int64, torch.int32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("start,end,step", RANGE_CASES)
+def test_range_matches_cpu(start, end, step, dtype):
+    import warnings
+    if dtype is not None and not dtype.is_floating_point and any(isinstance(v, float) for v in (start, end, step)):
+        pytest.skip("integer range of float arguments: not a case")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        expected = torch.range(start, end, step, dtype=dtype)
+        with no_cpu_fallback():
+            check_exact(torch.range(start, end, step, dtype=dtype, device=TPU), expected)
+            out = torch.empty(0, dtype=expected.dtype, device=TPU)
+            torch.range(start, end, step, out=out)
+            check_exact(out, expected)
+
+
+def test_range_warns_once_like_cpu():
+    import warnings
+    counts = {}
+    for dev in ("cpu", "tpu"):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            torch.range(0, 10, device=dev)
+        counts[dev] = [str(x.message)[:40] for x in w]
+    assert counts["tpu"] == counts["cpu"] and len(counts["cpu"]) == 1

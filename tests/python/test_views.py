@@ -386,3 +386,74 @@ def test_compiled_graph_reads_neg_view_input_values():
     f = torch.compile(lambda t: t * 2 + 1, backend="tpu")
     got = f(torch._neg_view(x.to("tpu")))
     torch.testing.assert_close(got.cpu(), torch._neg_view(x) * 2 + 1, rtol=0, atol=0)
+
+
+# --- New outputs take CPU's strides (the meta kernel's): TensorIterator's
+# stride propagation over permuted inputs, memory_format= (channels_last);
+# the program writes the values in that memory order.
+
+_LAYOUT_CASES = {
+    "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last),
+    "clone_channels_last": lambda t: t.clone(memory_format=torch.channels_last),
+    "exp_permuted": lambda t: torch.exp(t.permute(0, 2, 3, 1)),
+    "neg_transposed": lambda t: -t.transpose(1, 2),
+    "add_permuted_scalar": lambda t: t.permute(3, 1, 2, 0) + 1,
+    "mul_two_permuted": lambda t: t.permute(0, 2, 3, 1) * t.permute(0, 2, 3, 1),
+    "clone_preserve": lambda t: t.permute(0, 2, 3, 1).clone(),
+    "zeros_like_permuted": lambda t: torch.zeros_like(t.permute(0, 2, 3, 1)),
+    "full_like_permuted": lambda t: torch.full_like(t.permute(2, 0, 3, 1), 7.0),
+    "chain_then_reduce": lambda t: torch.exp(t.permute(0, 2, 3, 1)).sum(1),
+    "chain_channels_last_pointwise": lambda t: (t.contiguous(memory_format=torch.channels_last) + 1) * 3,
+}
+
+
+@pytest.mark.parametrize("mode", ("strict", "debug", "fused"))
+@pytest.mark.parametrize("name", sorted(_LAYOUT_CASES))
+def test_new_outputs_have_cpu_strides(name, mode):
+    import torch_tpu
+    fn = _LAYOUT_CASES[name]
+    x = torch.randn(2, 3, 4, 5)
+    cpu = fn(x)
+    with no_cpu_fallback(), torch_tpu.eager_mode(mode):
+        got = fn(x.to("tpu"))
+        assert got.stride() == cpu.stride() and got.shape == cpu.shape
+        torch.testing.assert_close(got.cpu(), cpu)
+
+
+def test_channels_last_template_for_resize_as_preserve_format():
+    # PyTorch's test_memory_format_resize_as, compared against CPU.
+    for shape, fmt in (((10, 3, 8, 8), torch.channels_last), ((3, 10, 3, 4, 4), torch.channels_last_3d)):
+        res = {}
+        for dev in ("cpu", "tpu"):
+            xc = torch.randn(shape, device=dev).contiguous(memory_format=fmt)
+            flat = torch.randn(xc.numel(), device=dev)
+            flat.resize_as_(xc, memory_format=torch.preserve_format)
+            res[dev] = (xc.stride(), flat.stride(), flat.is_contiguous(memory_format=fmt))
+        assert res["tpu"] == res["cpu"] and res["tpu"][2]
+
+
+def test_channels_last_conv_and_batch_norm_match_cpu():
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+    bn = torch.nn.BatchNorm2d(4)
+    x = torch.randn(2, 3, 6, 6).contiguous(memory_format=torch.channels_last)
+    cpu = bn(conv(x))
+    conv_t, bn_t = torch.nn.Conv2d(3, 4, 3, padding=1).to("tpu"), torch.nn.BatchNorm2d(4).to("tpu")
+    conv_t.load_state_dict(conv.state_dict())
+    bn_t.load_state_dict(bn.state_dict())
+    got = bn_t(conv_t(x.to("tpu")))
+    torch.testing.assert_close(got.cpu(), cpu, rtol=1e-4, atol=1e-4)
+    assert got.shape == cpu.shape
+    # (The convolution's own output is still contiguous on tpu, where CPU's
+    # is channels_last: the meta kernel's layout is not CPU's there.)
+
+
+def test_permuted_output_costs_one_program():
+    import torch_tpu
+    x = torch.randn(3, 4, 5).to("tpu").permute(2, 0, 1)
+    torch.exp(x).cpu()  # warm: the op's program
+    before = torch_tpu.metrics()["compiles"]
+    for _ in range(3):
+        y = torch.exp(x)
+    assert y.stride() == torch.exp(torch.empty(3, 4, 5).permute(2, 0, 1)).stride()
+    assert torch_tpu.metrics()["compiles"] == before
