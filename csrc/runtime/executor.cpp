@@ -22,6 +22,8 @@ std::atomic<int>& ModeStorage() {
 }
 
 thread_local int one_program_depth = 0;  // OneProgramScope nesting on this thread
+thread_local int64_t one_program_calls = 0;  // calls run inside the outermost scope so far
+thread_local int64_t current_call_index = -1;  // OneProgramCallIndex() of the call being run
 
 std::function<std::string()>& FrameHook() {
   static std::function<std::string()> hook;
@@ -52,11 +54,22 @@ const char* ModeName(EagerMode mode) {
   return "strict";
 }
 
-OneProgramScope::OneProgramScope() { ++one_program_depth; }
+OneProgramScope::OneProgramScope() {
+  if (one_program_depth++ == 0) one_program_calls = 0;
+}
 OneProgramScope::~OneProgramScope() { --one_program_depth; }
+
+int64_t OneProgramCallIndex() { return current_call_index; }
 
 void RunOp(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry) {
   const EagerMode mode = CurrentMode();
+  // Restored on return (also by an exception): nested RunOp calls (a
+  // lowering-less op's decomposition) see their own index.
+  struct IndexGuard {
+    int64_t saved = current_call_index;
+    ~IndexGuard() { current_call_index = saved; }
+  } index_guard;
+  current_call_index = one_program_depth > 0 ? one_program_calls++ : -1;
   if (mode == EagerMode::kStrict && one_program_depth > 0) return RunFused(op, stack, entry);
   // A region recorded under a OneProgramScope runs before any later call.
   if (mode != EagerMode::kFused && HasPendingWork()) FlushFusedRegion();

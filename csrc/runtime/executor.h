@@ -60,6 +60,13 @@ class OneProgramScope {
   OneProgramScope& operator=(const OneProgramScope&) = delete;
 };
 
+// The index of the current call inside the outermost OneProgramScope on
+// this thread (0 for its first call), or -1 outside any scope. Fused mode's
+// loop detector mixes it into the signature of calls inside a scope: the
+// per-tensor calls of a foreach optimizer over identical layers would
+// otherwise repeat with the period of one layer and cut the step there.
+int64_t OneProgramCallIndex();
+
 // Returns "file:line (function)" of the user's code calling into torch
 // (set by the Python module; empty when unknown).
 void SetUserFrameHook(std::function<std::string()> hook);

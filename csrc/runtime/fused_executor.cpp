@@ -289,7 +289,15 @@ class FusedExecutor {
     for (auto& v : returns) stack->push_back(std::move(v));
     // Loop boundaries apply to fused mode only (a strict-mode OneProgramScope
     // records one multi-tensor op, which must stay one program).
-    if (CurrentMode() == EagerMode::kFused && LoopsEnabled()) ObserveLoop(reinterpret_cast<uintptr_t>(eager.get()));
+    // Inside a multi-tensor op (OneProgramScope) a call's signature also
+    // carries its index in the op: a foreach optimizer's per-tensor calls
+    // over identical layers must not look periodic with one layer's period.
+    if (CurrentMode() == EagerMode::kFused && LoopsEnabled()) {
+      uintptr_t sig = reinterpret_cast<uintptr_t>(eager.get());
+      if (const int64_t k = OneProgramCallIndex(); k > 0)
+        sig = static_cast<uintptr_t>(c10::hash_combine(sig, static_cast<size_t>(k)));
+      ObserveLoop(sig);
+    }
     if (!at_loop_boundary_ && calls_.size() >= MaxOps()) FlushLocked(Cause::kSizeBound);
   }
 
