@@ -557,6 +557,14 @@ def _patch() -> None:
             with torch._dynamo.config.patch(caching_precompile=False):
                 init(**bound)
             self.guards_state = saved_state
+        if signature.bind(self, *args, **kwargs).arguments.get("save_guards") and self.guards_state is None \
+                and package is None:
+            # The output graph bypassed its package (e.g. "Graph contains
+            # named parameters due to static addresses": a compiled
+            # optimizer step) and set output_graph.package to None; PyTorch
+            # 2.13's convert_frame still asserts guards_state is not None.
+            # The entry is marked bypassed, so add_guarded_code ignores it.
+            self.guards_state = b""
 
     guards.CheckFunctionManager.__init__ = __init__
 

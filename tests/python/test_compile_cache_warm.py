@@ -307,10 +307,14 @@ def test_training_step_and_kv_cache_write_warm_equal_cold(tmp_path, cache):
     warm process traces nothing, compiles no XLA program, and its losses,
     gradients, running statistics and cache contents equal the cold run's
     exactly and CPU's within float tolerance."""
-    cold = _run(tmp_path, [], cache, script_text=TRAIN_SCRIPT)
+    # Host-first calls off: the cold run's first eager calls (the loss, the
+    # optimizer) would run on the CPU kernel while the warm run's load their
+    # programs from disk, which may differ in the last ulp; exact equality
+    # is about the compile cache replaying the same programs.
+    cold = _run(tmp_path, [], cache, script_text=TRAIN_SCRIPT, TORCH_TPU_HOST_FIRST="0")
     assert cold["traced"] >= 2, cold
     assert len(_entries(cache)) == 2, _entries(cache)  # the module's forward and kv_write
-    warm = _run(tmp_path, [], cache, script_text=TRAIN_SCRIPT)
+    warm = _run(tmp_path, [], cache, script_text=TRAIN_SCRIPT, TORCH_TPU_HOST_FIRST="0")
     assert warm["traced"] == 0, warm
     assert warm["xla_compiles"] == 0, warm
     assert warm["warnings"] == []
