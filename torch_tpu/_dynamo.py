@@ -478,4 +478,4 @@ def register() -> None:
         registry.register_backend(tpu_backend, name="tpu")
 
 
-_precompile.maybe_enable_from_env()  # on unless TORCH_TPU_COMPILE_CACHE=0
+_precompile.maybe_enable_from_env()  # TORCH_TPU_COMPILE_CACHE=safe or 1 turns it on

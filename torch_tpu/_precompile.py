@@ -1,9 +1,15 @@
 """A warm start for ``torch.compile(model, backend="tpu")`` in a new process.
 
-On by default (when the ``tpu`` Dynamo backend is first looked up, with
-TORCH_TPU_CACHE_DIR enabled); ``TORCH_TPU_COMPILE_CACHE=0`` turns it off,
-``TORCH_TPU_COMPILE_CACHE=1`` (or ``torch_tpu._precompile.enable()``) opts in
-to the frames the default leaves out (below). A frame compiled by the tpu
+Opt in (read when the ``tpu`` Dynamo backend is first looked up, with
+TORCH_TPU_CACHE_DIR enabled): ``TORCH_TPU_COMPILE_CACHE=safe`` (or
+``torch_tpu._precompile.enable("safe")``) saves the frames whose every guard
+can be checked in another process, ``TORCH_TPU_COMPILE_CACHE=1`` also the
+frames the safe mode leaves out (below); unset or ``0``: off. Off by default
+since a fresh-clone review found a crash (``NameError: __compiled_fn_...``
+after a warning "assigned grad expected to be a Tensor or None but got grad
+of type _Missing") in every second process of a model compiled, trained
+and then evaluated in one process, and entries compiled while parameters
+hold ``.grad`` that never load. A frame compiled by the tpu
 backend is saved under ``$TORCH_TPU_CACHE_DIR/dynamo/`` right after its
 compile: Dynamo's transformed bytecode and guards (PyTorch's caching
 precompile, ``torch._dynamo.config.caching_precompile``) and, per graph,
@@ -690,12 +696,12 @@ def enable(mode: str = "all", *, quiet: bool = False) -> bool:
 
 
 def maybe_enable_from_env() -> None:
-    """TORCH_TPU_COMPILE_CACHE: unset or empty: "safe" (on by default);
-    "0": off; anything else: "all"."""
+    """TORCH_TPU_COMPILE_CACHE: unset, empty or "0": off (the default);
+    "safe": the safe mode; anything else ("1"): "all"."""
     value = os.environ.get(ENV, "")
-    if value == "0":
+    if value in ("", "0"):
         return
-    enable("safe" if value == "" else "all", quiet=value == "")
+    enable("safe" if value == "safe" else "all")
 
 
 # --- the artifacts: AOTAutograd's bundled entry around tpu programs ----------

@@ -1,4 +1,4 @@
-"""The compile cache (torch_tpu._precompile, on by default): a fresh process
+"""The compile cache (torch_tpu._precompile, TORCH_TPU_COMPILE_CACHE=safe here): a fresh process
 loads a frame compiled by an earlier one instead of tracing it (Dynamo traces
 nothing, XLA compiles nothing: counted), its results equal the cold run's and
 CPU eager; training graphs (forward, backward, BatchNorm's running-stat
@@ -23,7 +23,7 @@ GUARD_CHECK = textwrap.dedent('''
         import torch._dynamo.guards as dynamo_guards
         import torch._dynamo.package as dynamo_package
         from torch_tpu import _precompile
-        assert _precompile.enable("safe" if os.environ.get("TORCH_TPU_COMPILE_CACHE", "") == "" else "all")
+        assert _precompile.enable("safe" if os.environ.get("TORCH_TPU_COMPILE_CACHE", "") in ("", "safe") else "all")
         ours = dynamo_package.load_guard_manager
 
         def load_guard_manager(state, *args, **kwargs):
@@ -96,9 +96,9 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _run(tmp_path, shapes, cache, script_text=SCRIPT, mode=None, **extra_env):
+def _run(tmp_path, shapes, cache, script_text=SCRIPT, mode="safe", **extra_env):
     """Runs a script in a fresh process; `mode`: TORCH_TPU_COMPILE_CACHE
-    (None: unset, the default)."""
+    (None: unset, the default: off)."""
     script = tmp_path / "model_script.py"
     script.write_text(script_text)
     env = dict(os.environ, TORCH_TPU_CACHE_DIR=str(cache), **extra_env)
@@ -173,8 +173,9 @@ def test_new_shape_recompiles_correctly(tmp_path, cache):
     assert warm["max_err"] <= 1e-4
 
 
-def test_disabled_with_zero(tmp_path, cache):
-    cold = _run(tmp_path, [[4, 16]], cache, mode="0")
+@pytest.mark.parametrize("mode", ["0", None], ids=["zero", "unset"])
+def test_disabled_with_zero_or_unset(tmp_path, cache, mode):
+    cold = _run(tmp_path, [[4, 16]], cache, mode=mode)
     assert cold["traced"] >= 1 and cold["max_err"] <= 1e-4
     assert _entries(cache) == []
 

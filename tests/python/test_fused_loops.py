@@ -24,16 +24,21 @@ def _metric(name):
     return torch_tpu.metrics()[name]
 
 
-def _train(device, steps, sync_every, on_step=None):
-    """An MLP trained with AdamW (foreach=False: ~70 recorded calls a step);
-    returns the losses. `sync_every` 0: no sync until the end."""
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                               torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _train(device, steps, sync_every, on_step=None, model_fn=_mlp, foreach=False):
+    """A model (default: an MLP) trained with AdamW (foreach=False: ~70
+    recorded calls a step for the MLP); returns the losses. `sync_every` 0:
+    no sync until the end."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
-                                torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model = model_fn()
     x = torch.randn(24, 16)
     y = torch.randint(0, 4, (24,))
     model, x, y = model.to(device), x.to(device), y.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     losses = []
     for step in range(steps):
         opt.zero_grad()
@@ -154,31 +159,18 @@ def test_static_structure_stays_fused():
 
 
 def test_foreach_optimizer_over_identical_layers_stays_one_region_per_step():
-    """Six identical layers and a foreach AdamW: the optimizer's per-tensor
-    calls repeat with the period of one layer's parameters. A multi-tensor
-    op is observed by the loop detector as one call, so the step (sync only
-    at the end) stays one region (before: the step was cut at the layer
-    period inside the optimizer, 13 programs per step for a 6-layer
-    MiniLM)."""
-    def train(device, steps, on_step=None):
-        torch.manual_seed(0)
+    """40 identical layers and a foreach AdamW: the optimizer's per-tensor
+    calls repeat with the period of one layer's parameters (a run of 78
+    calls inside each foreach op, longer than the 64 that confirm a loop). Calls inside a
+    multi-tensor op carry their index in the op in their loop signature, so
+    the step (sync only at the end) stays one region (before: the step was
+    cut at the layer period inside the optimizer, 13 programs per step for
+    a 6-layer MiniLM)."""
+    def many_layers():
         layers = []
-        for _ in range(6):
+        for _ in range(40):
             layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
-        model = torch.nn.Sequential(*layers, torch.nn.Linear(16, 4)).to(device)
-        x = torch.randn(8, 16).to(device)
-        y = torch.randint(0, 4, (8,)).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-        losses = []
-        for step in range(steps):
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-            if on_step:
-                on_step(step)
-        return torch.stack(losses).cpu()
+        return torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
 
     steps, warm = 12, 4
     snapshots = {}
@@ -186,9 +178,9 @@ def test_foreach_optimizer_over_identical_layers_stays_one_region_per_step():
     def on_step(step):
         snapshots[step] = (_metric("compiles"), _metric("fused_regions"))
 
-    ref = train("cpu", steps)
+    ref = _train("cpu", steps, 0, model_fn=many_layers, foreach=True)
     with no_cpu_fallback(), torch_tpu.eager_mode("fused"):
-        got = train("tpu", steps, on_step)
+        got = _train("tpu", steps, 0, on_step, model_fn=many_layers, foreach=True)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     last = steps - 2
     assert snapshots[last][0] == snapshots[warm][0]
