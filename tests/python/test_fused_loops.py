@@ -159,29 +159,51 @@ def test_static_structure_stays_fused():
 
 
 def test_foreach_optimizer_over_identical_layers_stays_one_region_per_step():
-    """40 identical layers and a foreach AdamW: the optimizer's per-tensor
-    calls repeat with the period of one layer's parameters (a run of 78
-    calls inside each foreach op, longer than the 64 that confirm a loop). Calls inside a
-    multi-tensor op carry their index in the op in their loop signature, so
-    the step (sync only at the end) stays one region (before: the step was
-    cut at the layer period inside the optimizer, 13 programs per step for
-    a 6-layer MiniLM)."""
-    def many_layers():
-        layers = []
-        for _ in range(40):
-            layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
-        return torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
+    """A compiled model of 40 identical layers and a foreach AdamW in fused
+    mode: the forward and backward graphs are one call each of the step's
+    region, and the optimizer's per-tensor calls repeat with the period of
+    one layer's parameters (a run of 78 calls inside each foreach op, longer
+    than the 64 that confirm a loop). Calls inside a multi-tensor op carry
+    their index in the op in their loop signature, so the step (sync only at
+    the end) stays one region (before: cut at the layer period inside the
+    optimizer; 13 programs per step for a compiled 6-layer MiniLM). An eager
+    model of identical layers is a loop over layers itself, cut as such."""
+    code = """
+import torch, torch_tpu
 
-    steps, warm = 12, 4
-    snapshots = {}
+def train(device, steps, on_step=None):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(40):
+        layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
+    x, y = torch.randn(24, 16), torch.randint(0, 4, (24,))
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    f = torch.compile(model, backend="tpu") if device == "tpu" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(f(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+        if on_step:
+            on_step(step)
+    return torch.stack(losses).cpu()
 
-    def on_step(step):
-        snapshots[step] = (_metric("compiles"), _metric("fused_regions"))
-
-    ref = _train("cpu", steps, 0, model_fn=many_layers, foreach=True)
-    with no_cpu_fallback(), torch_tpu.eager_mode("fused"):
-        got = _train("tpu", steps, 0, on_step, model_fn=many_layers, foreach=True)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    last = steps - 2
-    assert snapshots[last][0] == snapshots[warm][0]
-    assert snapshots[last][1] - snapshots[warm][1] == last - warm
+snap = {}
+def on_step(step):
+    m = torch_tpu.metrics()
+    snap[step] = (m["compiles"], m["fused_regions"])
+ref = train("cpu", 12)
+with torch_tpu.eager_mode("fused"):
+    got = train("tpu", 12, on_step)
+torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+print(snap[10][0] - snap[4][0], snap[10][1] - snap[4][1])
+"""
+    r = run_python(code, env={"TORCH_TPU_FUSED_MAX_OPS": "4096"}, timeout=600)
+    assert r.returncode == 0, r.stderr
+    compiles, regions = map(int, r.stdout.strip().splitlines()[-1].split())
+    assert compiles == 0
+    assert regions == 10 - 4  # one region per step
