@@ -171,10 +171,11 @@ def _minilm_loss(f, batch):
 # fused, as for the MLP; the whole model's foreach AdamW step (over 100
 # parameters) is more calls than one region takes (TORCH_TPU_FUSED_MAX_OPS,
 # 512): its optimizer is 2 programs in strict mode (9 per step). Its fused
-# step is 13 regions (measured): the loop detection finds the per-layer
-# period of the foreach AdamW's per-tensor calls and cuts the optimizer at
-# it (fused eager without compile: 20); only the count's constancy is
-# asserted there (docs/design.md, "Programs per training step").
+# step was 13 regions (the loop detection found the per-layer period of the
+# foreach AdamW's per-tensor calls); with calls inside a multi-tensor op
+# carrying their index in their loop signature a probe measured 2; only
+# the count's constancy is asserted there (docs/design.md, "Programs per
+# training step").
 @pytest.mark.parametrize("layers,mode", [(2, "strict"),
                                          pytest.param(2, "fused", marks=pytest.mark.full_tier),
                                          pytest.param(6, "strict", marks=pytest.mark.full_tier),
