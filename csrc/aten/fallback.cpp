@@ -272,6 +272,39 @@ bool WritesOverlappingTensor(const c10::OperatorHandle& op, const torch::jit::St
   return base != "fill" && base != "zero";
 }
 
+// True if a written tpu tensor partly overlaps another tpu tensor argument of
+// the call (at::get_overlap_status Partial: both dense; TooHard cases, e.g.
+// column views, keep running natively as before), as
+// `a[1:].add_(a[:-1])`: CPU's kernels raise ("unsupported operation: some
+// elements of the input tensor and the written-to tensor refer to a single
+// memory location") or define the result by their own element order; the
+// meta kernels cannot tell (meta storages have no addresses, so every view
+// of one looks like a full overlap), so such a call runs on the CPU mirror,
+// which keeps the sharing. A tpu storage's data pointer is a unique address
+// (its DeviceStorage), so offsets compare as on CPU. Full overlaps (`a.add_(a)`)
+// run natively.
+bool WritesPartlyOverlappingArgument(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack.size() - args.size();
+  std::vector<std::pair<at::Tensor, bool>> seen;  // tpu tensor, written
+  for (size_t i = 0; i < args.size(); ++i) {
+    const bool write = IsWrittenArg(args[i]);
+    ForEachTensor(stack[first + i], [&](const at::Tensor& t) {
+      if (t.defined() && t.device().type() == kTpu && t.has_storage() && t.numel() > 0) seen.emplace_back(t, write);
+    });
+  }
+  for (size_t a = 0; a < seen.size(); ++a) {
+    if (!seen[a].second) continue;
+    for (size_t b = 0; b < seen.size(); ++b) {
+      if (a == b || seen[a].first.is_same(seen[b].first)) continue;
+      if (!seen[a].first.storage().is_alias_of(seen[b].first.storage())) continue;
+      const at::MemOverlapStatus status = at::get_overlap_status(seen[a].first, seen[b].first);
+      if (status == at::MemOverlapStatus::Partial) return true;
+    }
+  }
+  return false;
+}
+
 // Runs the call on the CPU with every tpu tensor argument mirrored by a CPU
 // tensor of the same sizes, strides and offset over a host copy of its
 // storage (arguments sharing a storage share the copy), so that CPU's
@@ -442,7 +475,8 @@ void CheckArgumentsLikeCpu(const c10::OperatorHandle& op, const torch::jit::Stac
 void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (const lowering::LoweringEntry* e = EntryFor(op)) CheckArgumentsLikeCpu(op, *stack, *e);
   if (AnyMathBits(op, *stack)) return RunResolvingMathBits(op, stack);
-  if (WritesOverlappingTensor(op, *stack)) return RunOnCpuMirror(op, stack);
+  if (WritesOverlappingTensor(op, *stack) || WritesPartlyOverlappingArgument(op, *stack))
+    return RunOnCpuMirror(op, stack);
   const lowering::LoweringEntry* entry = EntryFor(op);
   if (entry) {
     MoveCpuIndicesToDevice(op, stack);

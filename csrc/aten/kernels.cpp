@@ -222,11 +222,14 @@ void RunCopy(const at::Tensor& dst, const at::Tensor& src) {
 // tensor here). As on CPU/CUDA: dst's logical values become src's logical
 // values, so the conjugate/negative bits of both are honoured (dst stores
 // its values with its own bits undone), and a dst with internally
-// overlapping elements (expanded) is rejected.
+// overlapping elements (expanded) or partly overlapping src is rejected.
 at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst_logical, bool non_blocking) {
   if (dst_logical.numel() == 0) return dst_logical;
   const bool src_tpu = src.device().type() == kTpu, dst_tpu = dst_logical.device().type() == kTpu;
   if (dst_tpu) at::assert_no_internal_overlap(dst_logical);
+  // As CPU's copy_ (its TensorIterator): dst partly overlapping src raises;
+  // a tpu storage's data pointer is a unique address, so offsets compare.
+  if (dst_tpu && src_tpu) at::assert_no_partial_overlap(dst_logical, src);
   auto& rt = Runtime::Get();
   if (!src_tpu && dst_tpu) {
     TORCH_CHECK(src.device().is_cpu(), "copy to tpu from ", src.device(), " is not supported; copy to the CPU first");
