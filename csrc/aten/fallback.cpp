@@ -284,25 +284,26 @@ bool WritesOverlappingTensor(const c10::OperatorHandle& op, const torch::jit::St
 // (its DeviceStorage), so offsets compare as on CPU. Full overlaps (`a.add_(a)`)
 // run natively.
 bool WritesPartlyOverlappingArgument(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  // Per call on the dispatch path: functional calls (no written argument)
+  // only scan the schema; nothing is copied.
   const auto& args = op.schema().arguments();
   const size_t first = stack.size() - args.size();
-  std::vector<std::pair<at::Tensor, bool>> seen;  // tpu tensor, written
-  for (size_t i = 0; i < args.size(); ++i) {
-    const bool write = IsWrittenArg(args[i]);
-    ForEachTensor(stack[first + i], [&](const at::Tensor& t) {
-      if (t.defined() && t.device().type() == kTpu && t.has_storage() && t.numel() > 0) seen.emplace_back(t, write);
+  auto candidate = [](const at::Tensor& t) {
+    return t.defined() && t.device().type() == kTpu && t.has_storage() && t.numel() > 0;
+  };
+  bool partial = false;
+  for (size_t i = 0; i < args.size() && !partial; ++i) {
+    if (!IsWrittenArg(args[i])) continue;
+    ForEachTensor(stack[first + i], [&](const at::Tensor& w) {
+      if (partial || !candidate(w)) return;
+      for (size_t j = 0; j < args.size() && !partial; ++j)
+        ForEachTensor(stack[first + j], [&](const at::Tensor& t) {
+          if (partial || t.is_same(w) || !candidate(t) || !t.storage().is_alias_of(w.storage())) return;
+          partial = at::get_overlap_status(w, t) == at::MemOverlapStatus::Partial;
+        });
     });
   }
-  for (size_t a = 0; a < seen.size(); ++a) {
-    if (!seen[a].second) continue;
-    for (size_t b = 0; b < seen.size(); ++b) {
-      if (a == b || seen[a].first.is_same(seen[b].first)) continue;
-      if (!seen[a].first.storage().is_alias_of(seen[b].first.storage())) continue;
-      const at::MemOverlapStatus status = at::get_overlap_status(seen[a].first, seen[b].first);
-      if (status == at::MemOverlapStatus::Partial) return true;
-    }
-  }
-  return false;
+  return partial;
 }
 
 // Runs the call on the CPU with every tpu tensor argument mirrored by a CPU
@@ -457,6 +458,9 @@ void CheckArgumentsLikeCpu(const c10::OperatorHandle& op, const torch::jit::Stac
   }
   if (alpha && self && other && stack[first + *alpha].isScalar() && stack[first + *self].isTensor()) {
     const c10::Scalar a = stack[first + *alpha].toScalar();
+    // An integral, non-bool alpha (the default 1) passes every check below:
+    // no result_type per call.
+    if (a.isIntegral(false)) return;
     const c10::IValue& o = stack[first + *other];
     const at::Tensor& s = stack[first + *self].toTensor();
     if (!s.defined()) return;
@@ -473,11 +477,11 @@ void CheckArgumentsLikeCpu(const c10::OperatorHandle& op, const torch::jit::Stac
 }
 
 void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  if (const lowering::LoweringEntry* e = EntryFor(op)) CheckArgumentsLikeCpu(op, *stack, *e);
+  const lowering::LoweringEntry* entry = EntryFor(op);
+  if (entry) CheckArgumentsLikeCpu(op, *stack, *entry);
   if (AnyMathBits(op, *stack)) return RunResolvingMathBits(op, stack);
   if (WritesOverlappingTensor(op, *stack) || WritesPartlyOverlappingArgument(op, *stack))
     return RunOnCpuMirror(op, stack);
-  const lowering::LoweringEntry* entry = EntryFor(op);
   if (entry) {
     MoveCpuIndicesToDevice(op, stack);
     ExpandMaskIndices(op, stack);
