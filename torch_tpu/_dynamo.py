@@ -78,6 +78,13 @@ def _decompositions() -> dict:
     # output with torch.empty and the backend copy_s into it): its contents
     # are unspecified, so zeros are a valid value and lower as one constant.
     table[aten.empty.memory_format] = _empty_as_zeros
+    # The same for the strided forms: compiled autograd's graph of DDP's
+    # python_reducer hooks allocates each gradient with new_empty_strided and
+    # copies into it (torch/_dynamo/compiled_autograd.py). A program's
+    # outputs are dense, so the strides of a buffer whose every element the
+    # graph then writes do not change any value.
+    table[aten.empty_strided.default] = _empty_strided_as_zeros
+    table[aten.new_empty_strided.default] = _new_empty_strided_as_zeros
     # PyTorch's fused transformer fast path (nn.TransformerEncoderLayer /
     # nn.MultiheadAttention in eval mode under no_grad) has CPU/CUDA
     # kernels only (eager tpu runs csrc/aten/transformer_kernels.cpp): in a
@@ -237,6 +244,15 @@ def normalize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def _empty_as_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None,
                     memory_format=None):
     return torch.zeros(size, dtype=dtype, layout=layout, device=device)
+
+
+def _empty_strided_as_zeros(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return torch.zeros(size, dtype=dtype, layout=layout, device=device)
+
+
+def _new_empty_strided_as_zeros(self, size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return torch.zeros(size, dtype=self.dtype if dtype is None else dtype,
+                       device=self.device if device is None else device)
 
 
 def _boxed(program: _Program) -> Callable:
