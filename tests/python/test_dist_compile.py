@@ -27,11 +27,14 @@ Configurations (PyTorch's; see docs/distributed.md, "torch.compile"):
   compiled-autograd graph holding each gradient's
   _c10d_functional.all_reduce (DDP's post-accumulate-grad hooks), split at
   the collectives by the backend (torch_tpu._dynamo._Split).
-- FSDP2 (fully_shard per block + root), each block compiled.
+- FSDP2 (fully_shard per block + root), each block or the whole model
+  compiled: FSDP2's hooks (its collectives) run eagerly between graphs.
 
-Tiers: the default run is DDPOptimizer in strict and fused mode and the
-rank-dependent recompile; python_reducer and FSDP2 variants are in the full
-tier (TORCH_TPU_DIST_FULL=1).
+Tiers: the default run is DDPOptimizer in strict mode and one rank
+recompiling (dynamic=False, strict and fused), about 2 minutes on 2 busy
+cores; DDPOptimizer fused, DDP(torch.compile(seq)), python_reducer and the
+FSDP2 variants and dynamic=None are in the full tier
+(TORCH_TPU_DIST_FULL=1; about 11.5 minutes for the whole file).
 """
 from __future__ import annotations
 
@@ -70,7 +73,7 @@ class Net(torch.nn.Module):
     float32, output [B, 4]. Classes of this module, not nn.Sequential /
     nn.Linear: Dynamo starts no frame inside torch.nn, so neither a DDP- nor
     an FSDP2-wrapped torch.nn module gets compiled (the same with gloo on
-    the CPU)."""
+    the CPU; DDP(torch.compile(nn.Sequential(...))) does)."""
 
     def __init__(self):
         super().__init__()
@@ -163,8 +166,9 @@ def _ddp_worker(rank, world, args):
         t = bucket.buffer().div_(world)
         return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
 
-    if variant == "inner":  # DDP(torch.compile(module)): the compiled module's graph, split per bucket
-        ddp = DDP(torch.compile(model, backend="tpu"), bucket_cap_mb=1)
+    if variant == "inner":  # DDP(torch.compile(module)): the compiled module's graph, split per bucket;
+        # an nn.Sequential of the same blocks (which DDP(seq) under torch.compile would not compile)
+        ddp = DDP(torch.compile(torch.nn.Sequential(*model.blocks), backend="tpu"), bucket_cap_mb=1)
         step_fn = ddp
     else:
         ddp = DDP(model, bucket_cap_mb=1)
@@ -242,8 +246,9 @@ def test_ddp_optimizer(tmp_path, mode):
 
 @full_tier
 def test_ddp_of_compiled_module(tmp_path):
-    """DDP(torch.compile(model, backend="tpu")): the same split per bucket
-    (DDP's forward runs eagerly, the compiled module's frame under it)."""
+    """DDP(torch.compile(nn.Sequential(*blocks), backend="tpu")): the same
+    split per bucket (DDP's forward runs eagerly, the compiled module's
+    frame under it), also for a torch.nn container."""
     results = _check(run_job(tmp_path, _ddp_worker, {"mode": "strict", "variant": "inner", "steps": STEPS},
                              timeout=JOB_TIMEOUT_S), "strict")
     for res in results:
@@ -313,9 +318,9 @@ def test_fsdp2(tmp_path, variant, mode):
     """fully_shard per block + root, SGD; each block compiled
     (`block.compile(backend="tpu")`, PyTorch's recipe) or the whole model
     compiled. Dynamo runs FSDP2's hooks (its all-gathers and
-    reduce-scatters, tpu_dist) outside the graphs (torch._dynamo.config.
-    skip_fsdp_hooks, the default), so each block's graph holds its
-    computation only: 3 distinct blocks (the two H x H blocks share their
+    reduce-scatters, tpu_dist) outside the graphs (torch 2.13 wraps them in
+    torch._dynamo.disable), so each block's graph holds its computation
+    only: 3 distinct blocks (the two H x H blocks share their
     graph) = 3 forward + 3 backward programs, compiled in step 0."""
     results = _check(run_job(tmp_path, _fsdp_worker, {"mode": mode, "variant": variant, "steps": STEPS},
                              timeout=JOB_TIMEOUT_S), mode)
@@ -374,6 +379,8 @@ def test_one_rank_recompiles(tmp_path, dynamic):
     Dynamo's automatic dynamic shapes make the recompiled graph symbolic."""
     results = run_job(tmp_path, _recompile_worker, {"modes": ["strict", "fused"], "dynamic": dynamic},
                       timeout=JOB_TIMEOUT_S)
+    if os.environ.get("TORCH_TPU_TEST_DEBUG"):
+        print(f"dynamic={dynamic}: {results}")
     for rank, res in enumerate(results):
         for mode in ("strict", "fused"):
             r = res[mode]
