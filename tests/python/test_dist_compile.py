@@ -390,3 +390,29 @@ def test_one_rank_recompiles(tmp_path, dynamic):
         for mode in ("strict", "fused"):
             assert results[0][mode]["programs"] == 2 and results[1][mode]["programs"] == 4, results
             assert results[0][mode]["eager_graphs"] == 0 and results[1][mode]["eager_graphs"] == 0, results
+
+
+# --------------------------------------------------------------------------
+# one process: the graph form compiled autograd gives DDP's gradients
+
+
+def test_new_empty_strided_in_a_graph():
+    """new_empty_strided + copy (how compiled autograd allocates each
+    gradient DDP's python_reducer hook all-reduces): one program, not op by
+    op, values equal eager's (exact)."""
+    import torch_tpu  # noqa: F401
+    from torch_tpu import _dynamo as tpu_dynamo
+
+    def f(x):
+        buf = x.new_empty_strided((4, 3), (3, 1))
+        buf.copy_(x.t() * 2)
+        return buf + 1, torch.empty_strided((2, 2), (2, 1), device=x.device).fill_(3.0)
+
+    x = torch.randn(3, 4)
+    before = dict(tpu_dynamo.stats)
+    got = torch.compile(f, backend="tpu")(x.to("tpu"))
+    want = f(x)
+    assert tpu_dynamo.stats["programs"] - before["programs"] == 1, tpu_dynamo.stats
+    assert tpu_dynamo.stats["eager_graphs"] == before["eager_graphs"], tpu_dynamo.stats
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w), (g, w)
