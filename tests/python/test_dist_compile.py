@@ -31,7 +31,7 @@ Configurations (PyTorch's; see docs/distributed.md, "torch.compile"):
   compiled: FSDP2's hooks (its collectives) run eagerly between graphs.
 
 Tiers: the default run is DDPOptimizer in strict mode and one rank
-recompiling (dynamic=False, strict and fused), about 2 minutes on 2 busy
+recompiling (dynamic=False, strict and fused), 2-3.5 minutes on 2 busy
 cores; DDPOptimizer fused, DDP(torch.compile(seq)), python_reducer and the
 FSDP2 variants and dynamic=None are in the full tier
 (TORCH_TPU_DIST_FULL=1; about 11.5 minutes for the whole file).
