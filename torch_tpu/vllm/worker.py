@@ -208,7 +208,11 @@ class TPUModelRunner(CPUModelRunner):
         ``enforce_eager``) both run through ``torch.compile`` with the backend
         of vLLM's ``CompilationConfig.init_backend`` (``"tpu"``),
         ``fullgraph=True, dynamic=False``: one program per bucket, compiled
-        by :meth:`warm_up_buckets` at start-up.
+        by :meth:`warm_up_buckets` at start-up, ``torch.compile`` itself
+        called at the first call (:class:`_CompileOnFirstCall`), with
+        torch_tpu's Dynamo-level compile cache on (:func:`_enable_compile_cache`):
+        a later start on the same TORCH_TPU_CACHE_DIR loads every bucket's
+        graph instead of tracing it.
         """
         from torch_tpu.vllm import buckets
 
