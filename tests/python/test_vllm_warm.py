@@ -65,7 +65,7 @@ def _child(model_dir: str, out_path: str) -> None:
     res["end"] = {"unique_graphs": counters["stats"]["unique_graphs"],
                   "disk_cache_hits": m["disk_cache_hits"],
                   "disk_cache_misses": m["disk_cache_misses"]}
-    res["cpu_fallbacks"] = m.get("cpu_fallbacks", {})
+    res["cpu_fallbacks"] = m["cpu_fallbacks"]
     with open(out_path, "w") as f:
         json.dump(res, f)
 
