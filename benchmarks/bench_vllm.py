@@ -31,8 +31,17 @@ it) -- the floor under any step of that batch.
 
 Start-up: time from launching ``vllm serve`` to the first token of a first
 request (max_tokens=1), with an empty TORCH_TPU_CACHE_DIR (cold: every
-program compiles) and again with the same directory (warm: executables come
-from the disk cache); the ratio cold/warm.
+bucket is traced by Dynamo and every program compiles) and again with the
+same directory (warm: the plugin turns torch_tpu's Dynamo-level compile
+cache on, so the graphs come from ``$TORCH_TPU_CACHE_DIR/dynamo`` and the
+executables from the disk cache); the ratio cold/warm, and each start
+broken down from the server's log (its timestamps have 1 s resolution):
+launch -> the engine core's "Initializing a V1 LLM engine" (the API
+server's imports and config, the engine-core spawn and its imports) ->
+weights loaded -> KV cache allocated -> buckets warmed up (torch_tpu's own
+figure: Dynamo trace, AOTAutograd, lowering and executable load of every
+bucket, or loading them) -> server ready -> first token.
+``--startup-only`` measures only this.
 
 Prints one markdown table; BENCHMARKS.md records a run.  Exits non-zero if a
 server fails to start or a request fails.
@@ -193,6 +202,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--startup-only", action="store_true",
+                    help="only the cold / warm vllm serve start-up")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -205,20 +216,26 @@ def main() -> None:
     prompts = [[rng.randrange(1000, 30000) for _ in range(args.prompt_len)]
                for _ in range(args.requests)]
     cache = os.path.join(tmp, "tpu-cache")  # empty: the first start is cold
-    rows, start = {}, {}
+    rows, start, phases = {}, {}, {}
     for run in ("cold", "warm"):
         log = os.path.join(tmp, f"server-{run}.log")
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         with serve_vllm.vllm_server(model, serve_vllm.free_port(), log_path=log, timeout_s=900,
                                     env={"TORCH_TPU_CACHE_DIR": cache}) as url:
+            ready = time.perf_counter() - t0
             r = serve_vllm.complete(url, model, prompts[0], 1)
             start[run] = time.perf_counter() - t0
             if r["status"] != 200:
                 raise RuntimeError(f"first request failed: {r}")
-            if run == "warm":
+            phases[run] = _startup_phases(log, wall0, ready, start[run])
+            if run == "warm" and not args.startup_only:
                 rows["vLLM on tpu (OpenAI server, compiled)"] = _serve_round(
                     serve_vllm, url, model, prompts, args.new_tokens)
-        print(f"# {run} start: {start[run]:.1f} s to the first token", flush=True)
+        print(f"# {run} start: {start[run]:.1f} s to the first token; "
+              + ", ".join(f"{k} {v:.1f} s" for k, v in phases[run].items()), flush=True)
+    if args.startup_only:
+        _print_startup(start, phases)
+        return
     rows["vLLM on tpu (offline LLM.generate, compiled)"] = _offline_round(
         model, prompts, args.new_tokens)
 
@@ -239,10 +256,59 @@ def main() -> None:
         print(f"| {name} | {r[0]:.1f} | {r[1]:.1f} | {r[1] / base[1]:.2f}x | {cpu} |")
     print(f"\nlm_head + argmax program alone, {n} rows: {lm_head * 1e3:.1f} CPU ms "
           f"(the floor of a decode step of {n}, in vLLM and HF alike)")
+    _print_startup(start, phases)
+
+
+_PHASES = [  # (name, the log line that ends it)
+    ("launch -> engine core initializing (imports, spawn)", "Initializing a V1 LLM engine"),
+    ("-> weights loaded", "Loading weights took"),
+    ("-> KV cache allocated", "KV cache size:"),
+    ("-> buckets warmed up", "torch_tpu: warmed up"),
+]
+
+
+def _startup_phases(log_path: str, wall0: float, ready: float, first: float) -> dict:
+    """Seconds of each start-up phase, from the server log's timestamps
+    (vLLM's "MM-DD HH:MM:SS", local time, 1 s resolution) relative to the
+    launch at ``wall0`` (time.time()); the last two from this process's
+    clock: until /health answered, and until the first token."""
+    import re
+
+    stamps = {}
+    pat = re.compile(r"(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)")
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            for name, marker in _PHASES:
+                if name not in stamps and marker in line:
+                    m = pat.search(line)
+                    if m:
+                        lt = time.localtime(wall0)
+                        when = time.mktime((lt.tm_year, int(m[1]), int(m[2]), int(m[3]),
+                                            int(m[4]), int(m[5]), 0, 0, -1))
+                        stamps[name] = when - wall0
+    out, prev = {}, 0.0
+    for name, _ in _PHASES:
+        if name in stamps:
+            out[name] = stamps[name] - prev
+            prev = stamps[name]
+    out["-> server ready (/health)"] = ready - prev
+    out["-> first token"] = first - ready
+    return out
+
+
+def _print_startup(start: dict, phases: dict) -> None:
     print(f"\n| vllm serve start to first token | cold cache | warm cache | cold / warm |")
     print("|---|---|---|---|")
     print(f"| tiny Llama, {len(_buckets())} buckets | {start['cold']:.1f} s | "
           f"{start['warm']:.1f} s | {start['cold'] / start['warm']:.2f}x |")
+    for name in phases["cold"]:
+        c, w = phases["cold"][name], phases["warm"].get(name, float("nan"))
+        print(f"| {name} | {c:.1f} s | {w:.1f} s | {c / w if w > 0 else float('nan'):.2f}x |")
+    first = _PHASES[0][0]
+    if first in phases["cold"] and first in phases["warm"]:  # after vLLM's imports and spawn
+        c, w = (start[r] - phases[r][first] for r in ("cold", "warm"))
+        print(f"| engine core initializing -> first token | {c:.1f} s | {w:.1f} s | "
+              f"{c / w:.2f}x |")
 
 
 def _buckets():

@@ -104,6 +104,92 @@ def _pad_forward_context(ctx, n: int, padded: int) -> None:
             else sm for name, sm in ctx.slot_mapping.items()}
 
 
+class _LogitsAndArgmax:
+    """``(compute_logits(hidden_states), its row argmax)`` in one program
+    (vLLM's greedy_sample takes the first max, as ``argmax`` does), for the
+    model's own ``compute_logits`` (the bound method, kept before the runner
+    replaces the model's attribute with its wrapper). A method, compiled as
+    ``self.__call__``: torch_tpu's compile cache saves the guards reached
+    from ``self`` (and re-checks the identity of ``compute_logits.__func__``
+    when a later process loads them), not those reached through a closure
+    cell or from another argument (torch_tpu/_precompile.py)."""
+
+    def __init__(self, compute_logits):
+        self.compute_logits = compute_logits
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        logits = self.compute_logits(hidden_states, *args, **kwargs)
+        return logits, logits.argmax(dim=-1)
+
+
+def _enable_compile_cache() -> bool:
+    """Turn on torch_tpu's Dynamo-level compile cache (torch_tpu/_precompile.py)
+    in the engine process, so that a later start on the same
+    TORCH_TPU_CACHE_DIR loads every bucket's graph instead of tracing it:
+    ``TORCH_TPU_COMPILE_CACHE`` unset -> the safe mode; ``0`` (or empty) ->
+    off; otherwise as torch_tpu reads it ("safe", "1"). Returns whether it is
+    on (False too when TORCH_TPU_CACHE_DIR is disabled)."""
+    import os
+
+    from torch_tpu import _precompile
+
+    value = os.environ.get(_precompile.ENV)
+    if value is not None and value in ("", "0"):
+        return False
+    if value is None:
+        mode = "safe"
+    else:
+        mode = "safe" if value == "safe" else "all"
+    if not _precompile.enable(mode, quiet=True):
+        return False
+    _ir_ops_by_reference()
+    return True
+
+
+def _ir_ops_by_reference() -> None:
+    """vLLM's IR ops (``vllm.ir.ops.rms_norm``, ...) are ``IrOp`` objects
+    bound to the name of their native implementation (``@register_op``), so
+    torch_tpu's compile cache cannot find that function again by module and
+    name and would not save the model's frame (its CLOSURE_MATCH guard on
+    ``ir.ops.rms_norm._priority_impls[0].impl_fn``, the native function the
+    layer dispatches to). ``__wrapped__`` (as functools.wraps sets it) on
+    each op names its native implementation: the identity guard is then
+    saved as the function's module and name, and re-checked when a later
+    process loads the entry (a process whose priority picks another
+    implementation does not load it and compiles)."""
+    try:
+        import vllm.ir.op as ir_op
+        import vllm.ir.ops as ir_ops
+    except ImportError:
+        return
+    for name in dir(ir_ops):
+        op = getattr(ir_ops, name)
+        if isinstance(op, ir_op.IrOp) and "native" in op.impls and \
+                not hasattr(op, "__wrapped__"):
+            op.__wrapped__ = op.impls["native"].impl_fn
+
+
+class _CompileOnFirstCall:
+    """``torch.compile(fn, backend, fullgraph=True, dynamic=False)``, called
+    at the first call rather than at model load. With torch_tpu's compile
+    cache on, ``torch.compile`` is where a saved entry is loaded and its
+    guards built, and they are built against the state at that moment: the
+    thread's grad / inference mode (a step runs under
+    ``torch.inference_mode()``; guards built outside it reject every call)
+    and vLLM's forward context (which the attention layers read; it exists
+    only inside a step). The first call is the warm-up's first dummy step,
+    in both."""
+
+    def __init__(self, fn, backend):
+        self.fn, self.backend, self.compiled = fn, backend, None
+
+    def __call__(self, *args, **kwargs):
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, backend=self.backend, fullgraph=True,
+                                          dynamic=False)
+        return self.compiled(*args, **kwargs)
+
+
 class TPUModelRunner(CPUModelRunner):
     """CPUModelRunner whose model and KV cache live on ``tpu``."""
 
@@ -122,7 +208,11 @@ class TPUModelRunner(CPUModelRunner):
         ``enforce_eager``) both run through ``torch.compile`` with the backend
         of vLLM's ``CompilationConfig.init_backend`` (``"tpu"``),
         ``fullgraph=True, dynamic=False``: one program per bucket, compiled
-        by :meth:`warm_up_buckets` at start-up.
+        by :meth:`warm_up_buckets` at start-up, ``torch.compile`` itself
+        called at the first call (:class:`_CompileOnFirstCall`), with
+        torch_tpu's Dynamo-level compile cache on (:func:`_enable_compile_cache`):
+        a later start on the same TORCH_TPU_CACHE_DIR loads every bucket's
+        graph instead of tracing it.
         """
         from torch_tpu.vllm import buckets
 
@@ -134,11 +224,7 @@ class TPUModelRunner(CPUModelRunner):
                     f"torch_tpu vLLM: a parameter was loaded on {p.device}, not tpu")
         self.token_buckets, self.batch_buckets = buckets.for_config(self.vllm_config)
         forward = model.forward
-        model_compute_logits = model.compute_logits
-
-        def compute_logits(h, *args, **kwargs):
-            logits = model_compute_logits(h, *args, **kwargs)
-            return logits, logits.argmax(dim=-1)  # vLLM's greedy_sample: first max
+        compute_logits = _LogitsAndArgmax(model.compute_logits).__call__
         self.tpu_compiled = self.compilation_config.mode == CompilationMode.STOCK_TORCH_COMPILE
         if self.tpu_compiled:
             from vllm.compilation.counter import compilation_counter
@@ -151,9 +237,9 @@ class TPUModelRunner(CPUModelRunner):
             torch._dynamo.config.accumulated_cache_size_limit = max(
                 torch._dynamo.config.accumulated_cache_size_limit, 4 * limit)
             compilation_counter.stock_torch_compile_count += 1
-            forward = torch.compile(forward, backend=backend, fullgraph=True, dynamic=False)
-            compute_logits = torch.compile(compute_logits, backend=backend, fullgraph=True,
-                                           dynamic=False)
+            self.tpu_compile_cache = _enable_compile_cache()
+            forward = _CompileOnFirstCall(forward, backend)
+            compute_logits = _CompileOnFirstCall(compute_logits, backend)
         token_buckets, batch_buckets = self.token_buckets, self.batch_buckets
 
         @functools.wraps(model.forward)
