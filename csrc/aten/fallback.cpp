@@ -541,7 +541,9 @@ void ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle&
     }
     const runtime::OutputSlot& o = compiled.outputs[static_cast<size_t>(rs.index)];
     std::vector<int64_t> sizes = o.sizes;
-    if (o.dynamic) sizes[0] = originals[static_cast<size_t>(compiled.poly_leader)].toTensor().size(0);
+    if (o.dynamic)
+      sizes[static_cast<size_t>(o.dynamic_dim)] =
+          originals[static_cast<size_t>(compiled.poly_leader)].toTensor().size(compiled.poly_dim);
     const at::Tensor& host = stack[rfirst + r].toTensor();
     TORCH_CHECK(host.defined() && host.sizes() == c10::IntArrayRef(sizes) && host.scalar_type() == o.dtype,
                 "torch_tpu: ", compiled.name, ": the CPU kernel of a host-first call returned ",

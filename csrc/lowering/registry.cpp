@@ -32,11 +32,17 @@ const std::unordered_map<std::string_view, PadFill>& ShapePolyFamilies() {
           "relu", "threshold", "threshold_backward", "gelu", "gelu_backward", "silu", "silu_backward",
           "sigmoid_backward", "tanh_backward", "hardtanh", "hardtanh_backward", "leaky_relu",
           "leaky_relu_backward", "elu", "elu_backward", "softplus", "softplus_backward", "mish", "hardsigmoid",
-          "hardsigmoid_backward", "hardswish", "hardswish_backward", "copy", "clone", "fill", "zero"})
+          "hardsigmoid_backward", "hardswish", "hardswish_backward", "isneginf", "isposinf", "copy", "clone", "fill",
+          "zero"})
       t->emplace(name, PadFill::kAny);
     for (std::string_view name : {"sum", "nansum", "count_nonzero", "any"}) t->emplace(name, PadFill::kZero);
     for (std::string_view name : {"prod", "all"}) t->emplace(name, PadFill::kOne);
     t->emplace("amax", PadFill::kLowest);
+    // softmax over the dynamic dim: exp(-inf - max) = 0 for padding, so the
+    // sum and every real element are unchanged; an all-(-inf), NaN or +inf
+    // row gives NaN as on CPU (its max is then -inf, NaN or +inf).
+    t->emplace("_softmax", PadFill::kLowest);
+    t->emplace("_log_softmax", PadFill::kLowest);
     t->emplace("amin", PadFill::kHighest);
     return t;
   }();

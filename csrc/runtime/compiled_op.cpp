@@ -178,17 +178,46 @@ void AppendStatic(std::vector<int64_t>& atoms, const c10::IValue& v) {
 }
 
 
-// `dynamic`: keyed with size(0) = extent and whether t covers its storage's
-// bytes (instead of their count); extent < 0 leaves out the buffer size.
+// The memory order of a dense, possibly permuted and expanded view that
+// starts at its storage's first element: its dims of size > 1 and stride
+// != 0, by stride descending, when they lay out a contiguous block (each
+// stride the product of the sizes inside it); empty otherwise.
+std::vector<int64_t> DenseOrder(const at::Tensor& t) {
+  std::vector<int64_t> order;
+  if (t.storage_offset() != 0) return order;
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) > 1 && t.stride(d) != 0) order.push_back(d);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
+  int64_t expect = 1;
+  for (size_t i = order.size(); i-- > 0;) {
+    if (t.stride(order[i]) != expect) return {};
+    expect *= t.size(order[i]);
+  }
+  return order;
+}
+
+// `dynamic`: keyed with size(dim) = extent, without strides (a dynamic
+// tensor is contiguous) and with whether t covers its storage's bytes
+// (instead of their count); extent < 0 leaves out the buffer size.
 void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& ids, bool dynamic = false,
-                  int64_t extent = 0) {
+                  int64_t extent = 0, int64_t dim = 0) {
   if (!ids.seen.empty() && ids.seen.front()->device_index() != StorageOf(t).device_index())
     throw std::runtime_error("Expected all tensors to be on the same device, but found at least two devices, tpu:" +
                              std::to_string(ids.seen.front()->device_index()) + " and " + t.device().str() + "!");
   atoms.push_back(static_cast<int64_t>(t.scalar_type()));
   atoms.push_back(t.dim());
-  for (int64_t d = 0; d < t.dim(); ++d) atoms.push_back(dynamic && d == 0 ? extent : t.size(d));
-  for (int64_t s : t.strides()) atoms.push_back(s);
+  for (int64_t d = 0; d < t.dim(); ++d) atoms.push_back(dynamic && d == dim ? extent : t.size(d));
+  if (!dynamic) {
+    for (int64_t s : t.strides()) atoms.push_back(s);
+  } else if (t.is_contiguous()) {
+    atoms.push_back(-3);
+  } else {  // a permuted or expanded view (PlanPoly): its memory order, expanded dims -1
+    const std::vector<int64_t> order = DenseOrder(t);
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      auto at = std::find(order.begin(), order.end(), d);
+      atoms.push_back(at != order.end() ? at - order.begin() : t.stride(d) == 0 && t.size(d) > 1 ? -1 : -2);
+    }
+  }
   atoms.push_back(t.storage_offset());
   if (dynamic) {
     atoms.push_back(extent < 0 ? -1 : StorageNumel(t));
@@ -212,7 +241,7 @@ int64_t StorageIds::Id(const DeviceStorage* s) {
 
 void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                    const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& ids,
-                   std::span<const int8_t> dynamic, int64_t extent) {
+                   std::span<const int8_t> dynamic, int64_t extent, int64_t dim) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   bool has_f64 = CallHasF64(args, stack, first);
@@ -227,7 +256,7 @@ void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack
       } else if (OnTpu(t)) {
         atoms.push_back(2);
         const bool dyn = i < dynamic.size() && dynamic[i];
-        AppendTensor(atoms, t, ids, dyn, extent);
+        AppendTensor(atoms, t, ids, dyn, extent, dim);
       } else if (t.dim() == 0 && t.device().is_cpu()) {
         atoms.push_back(3);
         atoms.push_back(static_cast<int64_t>(t.scalar_type()));
@@ -417,7 +446,7 @@ std::vector<int64_t> PhysicalOrder(std::span<const int64_t> sizes, std::span<con
 }  // namespace
 
 CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
-                     bool out_resized_by_numel, std::span<const int8_t> dynamic, int64_t extent) {
+                     bool out_resized_by_numel, std::span<const int8_t> dynamic, int64_t extent, int64_t dim) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   // CPU 0-d tensors stay on the CPU for type promotion; meta kernels that
@@ -434,9 +463,9 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
         meta_stack.push_back(at::empty({0}, v.toTensor().options().device(c10::kMeta)));
         continue;
       }
-      if (i < dynamic.size() && dynamic[i]) {  // a bucketed leading dim (shape polymorphism)
+      if (i < dynamic.size() && dynamic[i]) {  // a bucketed dim (shape polymorphism)
         std::vector<int64_t> sizes = v.toTensor().sizes().vec();
-        sizes[0] = extent;
+        sizes[static_cast<size_t>(dim)] = extent;
         meta_stack.push_back(at::empty(sizes, v.toTensor().options().device(c10::kMeta)));
         continue;
       }
@@ -559,11 +588,11 @@ hlo::Value FillConstant(hlo::Builder& b, hlo::ElementType e, lowering::PadFill f
 
 }  // namespace
 
-hlo::Value ProgramBuilder::PolyRows(const at::Tensor& t, hlo::Value flat) {
-  std::vector<int64_t> dims = t.sizes().vec();
-  dims[0] = poly->bucket;
-  hlo::Value x = b.Reshape(lowering::ResizeFlat(b, flat, lowering::Numel(dims)), dims);
-  if (poly->fill == lowering::PadFill::kAny) return x;
+// At most this many outer slices (the product of the dims before the
+// dynamic one) are moved by dynamic slices; more decline the family.
+constexpr int64_t kMaxPolySlices = 64;
+
+hlo::Value ProgramBuilder::PolyExtent() {
   if (!poly->extent) {
     if (b.num_parameters() != inputs.size()) throw std::logic_error("ProgramBuilder: parameters and inputs out of step");
     poly->extent = b.Parameter(hlo::TensorType{hlo::ElementType::kS64, {}});
@@ -571,10 +600,88 @@ hlo::Value ProgramBuilder::PolyRows(const at::Tensor& t, hlo::Value flat) {
     slot.kind = InputSlot::Kind::kExtent;
     slot.arg = poly->leader;
     slot.element = hlo::ElementType::kS64;
+    slot.extent_dim = static_cast<int8_t>(poly->dim);
     inputs.push_back(slot);
   }
-  hlo::Value row = b.Iota(hlo::TensorType{hlo::ElementType::kS64, dims}, 0);
-  hlo::Value n = b.BroadcastInDim(*poly->extent, dims, {});
+  return *poly->extent;
+}
+
+// A contiguous tensor of sizes [outer, n, inner] lies in the buffer as
+// `outer` runs of n * inner elements; at the bucket B each run is B * inner
+// elements. Outer run o starts at o * n * inner (a runtime offset), so the
+// read takes `outer` dynamic slices of B * inner elements (the flat buffer
+// zero-padded to outer * B * inner first: every slice is in bounds, none
+// clamped) and the write lays the runs back in increasing o, each one
+// overwriting the previous run's tail past n * inner.
+hlo::Value ProgramBuilder::PolyRead(hlo::Value flat, std::span<const int64_t> dims, int64_t dim) {
+  int64_t outer = 1, inner = 1;
+  for (int64_t d = 0; d < dim; ++d) outer *= dims[static_cast<size_t>(d)];
+  for (size_t d = static_cast<size_t>(dim) + 1; d < dims.size(); ++d) inner *= dims[d];
+  const int64_t run = dims[static_cast<size_t>(dim)] * inner;
+  hlo::Value padded = lowering::ResizeFlat(b, flat, outer * run);
+  if (outer == 1) return b.Reshape(padded, dims);
+  if (outer > kMaxPolySlices) throw UnsupportedOp("shape polymorphism: too many runs before the dynamic dim");
+  hlo::TensorType index{hlo::ElementType::kS64, {}};
+  hlo::Value step = b.Mul(PolyExtent(), b.ConstantInt(index, inner));  // n * inner
+  std::vector<hlo::Value> runs;
+  const int64_t sizes[] = {run};
+  for (int64_t o = 0; o < outer; ++o) {
+    hlo::Value start[] = {b.Mul(step, b.ConstantInt(index, o))};
+    runs.push_back(b.DynamicSlice(padded, start, sizes));
+  }
+  return b.Reshape(b.Concatenate(runs, 0), dims);
+}
+
+hlo::Value ProgramBuilder::PolyWrite(hlo::Value value, int64_t dim) {
+  const std::vector<int64_t> dims = value.dims();
+  int64_t outer = 1;
+  for (int64_t d = 0; d < dim; ++d) outer *= dims[static_cast<size_t>(d)];
+  const int64_t numel = lowering::Numel(dims);
+  int64_t flat_dims[] = {numel};
+  hlo::Value flat = b.Reshape(value, flat_dims);
+  if (outer == 1 || numel == 0) return flat;
+  if (outer > kMaxPolySlices) throw UnsupportedOp("shape polymorphism: too many runs before the dynamic dim");
+  const int64_t run = numel / outer;
+  int64_t inner = 1;
+  for (size_t d = static_cast<size_t>(dim) + 1; d < dims.size(); ++d) inner *= dims[d];
+  hlo::TensorType index{hlo::ElementType::kS64, {}};
+  hlo::Value step = b.Mul(PolyExtent(), b.ConstantInt(index, inner));
+  hlo::Value out = flat;  // run 0 is in place; the others move down
+  for (int64_t o = 1; o < outer; ++o) {
+    int64_t start[] = {o * run}, limit[] = {(o + 1) * run}, stride[] = {1};
+    hlo::Value at[] = {b.Mul(step, b.ConstantInt(index, o))};
+    out = b.DynamicUpdateSlice(out, b.Slice(flat, start, limit, stride), at);
+  }
+  return out;
+}
+
+hlo::Value ProgramBuilder::PolyRows(const at::Tensor& t, hlo::Value flat) {
+  std::vector<int64_t> dims = t.sizes().vec();
+  dims[static_cast<size_t>(poly->dim)] = poly->bucket;
+  hlo::Value x;
+  if (t.is_contiguous()) {
+    x = PolyRead(flat, dims, poly->dim);
+  } else {
+    // A permuted or expanded view (PlanPoly): the contiguous block in
+    // memory order, transposed into the view's dim order, then broadcast
+    // over its size-1 and expanded dims.
+    const std::vector<int64_t> order = DenseOrder(t);
+    std::vector<int64_t> block;
+    int64_t at = 0;
+    for (size_t i = 0; i < order.size(); ++i) {
+      block.push_back(dims[static_cast<size_t>(order[i])]);
+      if (order[i] == poly->dim) at = static_cast<int64_t>(i);
+    }
+    hlo::Value mem = PolyRead(flat, block, at);
+    std::vector<int64_t> sorted = order;
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<int64_t> perm;
+    for (int64_t d : sorted) perm.push_back(std::find(order.begin(), order.end(), d) - order.begin());
+    x = b.BroadcastInDim(b.Transpose(mem, perm), dims, sorted);
+  }
+  if (poly->fill == lowering::PadFill::kAny) return x;
+  hlo::Value row = b.Iota(hlo::TensorType{hlo::ElementType::kS64, dims}, poly->dim);
+  hlo::Value n = b.BroadcastInDim(PolyExtent(), dims, {});
   return b.Select(b.Compare(row, n, hlo::CompareDirection::kLT), x, FillConstant(b, x.element(), poly->fill, dims));
 }
 
@@ -592,10 +699,8 @@ void ProgramBuilder::WriteTensor(const at::Tensor& t, const InputSlot& use, hlo:
     // buffer is the [bucket, rest...] rows, flat.
     if (!PolyDynamic(use)) throw UnsupportedOp("shape polymorphism: writes a tensor without the dynamic dim");
     std::vector<int64_t> dims = t.sizes().vec();
-    dims[0] = poly->bucket;
-    value = lowering::Prepare(b, value, t.scalar_type(), dims);
-    int64_t flat[] = {lowering::Numel(dims)};
-    st.current = b.Reshape(value, flat);
+    dims[static_cast<size_t>(poly->dim)] = poly->bucket;
+    st.current = PolyWrite(lowering::Prepare(b, value, t.scalar_type(), dims), poly->dim);
     return;
   }
   value = lowering::Prepare(b, value, t.scalar_type(), t.sizes().vec());
@@ -844,39 +949,51 @@ std::unique_ptr<pjrt::Executable> CompileModule(const std::string& name, const s
 
 namespace {
 
-// How a call runs on a bucketed leading dim (PlanPoly).
+// How a call runs on a bucketed dim (PlanPoly).
 struct PolyPlan {
-  std::vector<int8_t> dynamic;  // per argument: a tensor whose dim 0 is the extent
+  std::vector<int8_t> dynamic;  // per argument: a tensor whose dim `dim` is the extent
   int16_t leader = -1;          // the argument the extent is read from at launch
+  int64_t dim = 0;              // the dynamic dim of the highest-rank tensors
   int64_t extent = 0;           // this call's
   int64_t bucket = 0;           // Capacity(extent)
 };
 
-// Whether the call can share a program with calls of other leading dims,
-// and how: its entry is shape_poly, no out= or tensor-list argument; the
-// tpu tensors of the highest rank R >= 1 have dim 0 equal to the leader's
-// n >= 1 (dynamic: contiguous, offset 0, typed as their storage, and
-// covering it if written) or 1 (broadcast); lower-rank tensors broadcast
-// against the other dims and are static; every written tensor is dynamic.
-// n = 0 stays static (meta kernels raise for empty reductions). Broadcast
-// validity is then the same for every n (so a hit needs no meta kernel).
-bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
-              const lowering::LoweringEntry& entry, PolyPlan& plan) {
-  if (entry.traits.shape_poly == lowering::PadFill::kNone || entry.traits.needs_rng) return false;
+// The highest rank among the call's tpu tensors (0: none, or a tensor list
+// or out= argument, which polymorphic programs do not take) and the first
+// argument of that rank.
+int64_t PolyRank(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first, int16_t& leader) {
   const auto& args = op.schema().arguments();
   int64_t rank = 0;
-  int16_t leader = -1;
+  leader = -1;
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = stack[first + i];
-    if (IsOutArg(args[i]) || IsTensorListValue(v)) return false;
+    if (IsOutArg(args[i]) || IsTensorListValue(v)) return 0;
     if (!v.isTensor() || !v.toTensor().defined() || !OnTpu(v.toTensor())) continue;
     if (v.toTensor().dim() > rank) {
       rank = v.toTensor().dim();
       leader = static_cast<int16_t>(i);
     }
   }
-  if (leader < 0) return false;
-  const int64_t n = stack[first + static_cast<size_t>(leader)].toTensor().size(0);
+  return rank;
+}
+
+// Whether the call can share a program with calls that differ in dim `dim`
+// of its highest-rank tensors, and how: its entry is shape_poly, no out= or
+// tensor-list argument; the tpu tensors of the highest rank R > dim have
+// size(dim) equal to the leader's n >= 1 (dynamic: contiguous, offset 0,
+// typed as their storage, and covering it if written) or 1 (broadcast);
+// lower-rank tensors are static and, where they reach dim `dim` (trailing
+// alignment), have size 1 there; every written tensor is dynamic. n = 0
+// stays static (meta kernels raise for empty reductions). Broadcast
+// validity is then the same for every n (so a hit needs no meta kernel).
+bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+              const lowering::LoweringEntry& entry, int64_t dim, PolyPlan& plan) {
+  if (entry.traits.shape_poly == lowering::PadFill::kNone || entry.traits.needs_rng) return false;
+  const auto& args = op.schema().arguments();
+  int16_t leader = -1;
+  const int64_t rank = PolyRank(op, stack, first, leader);
+  if (rank <= dim) return false;
+  const int64_t n = stack[first + static_cast<size_t>(leader)].toTensor().size(dim);
   if (n < 1) return false;
   plan.dynamic.assign(args.size(), 0);
   for (size_t i = 0; i < args.size(); ++i) {
@@ -887,38 +1004,48 @@ bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, siz
       continue;
     }
     const at::Tensor& t = v.toTensor();
-    if (t.dim() == rank && t.size(0) == n) {
-      if (!t.is_contiguous() || t.storage_offset() != 0 || t.is_conj() || t.is_neg() ||
+    if (t.dim() == rank && t.size(dim) == n) {
+      if (t.storage_offset() != 0 || t.is_conj() || t.is_neg() ||
           StorageElement(t) != lowering::ToElementType(t.scalar_type()))
         return false;
+      if (!t.is_contiguous()) {
+        // A permuted or expanded view of a contiguous block (read only):
+        // n >= 2 so that the dynamic dim has its place in memory order.
+        if (written || n < 2) return false;
+        const std::vector<int64_t> order = DenseOrder(t);
+        if (std::find(order.begin(), order.end(), dim) == order.end()) return false;
+      }
       if (written && static_cast<int64_t>(StorageOf(t).nbytes()) != t.numel() * static_cast<int64_t>(t.element_size()))
         return false;
       plan.dynamic[i] = 1;
-    } else if (written || (t.dim() == rank && t.size(0) != 1)) {
+    } else if (written || (t.dim() == rank && t.size(dim) != 1)) {
       return false;
+    } else if (t.dim() < rank && t.dim() > 0 && rank - t.dim() <= dim && t.size(dim - (rank - t.dim())) != 1) {
+      return false;  // a lower-rank tensor spanning the dynamic dim
     }
   }
   plan.leader = leader;
+  plan.dim = dim;
   plan.extent = n;
   plan.bucket = Capacity(n);
   return true;
 }
 
 // The call's spec at the bucket, after checking that every output either
-// keeps its sizes when the extent changes or has the extent as dim 0 (and
-// its other dims kept); `dynamic_out` marks the latter. Throws UnsupportedOp
-// otherwise.
+// keeps its sizes when the extent changes or has the extent in exactly one
+// dim (and its other dims kept); `dynamic_out` gives that dim (-1: none).
+// Throws UnsupportedOp otherwise.
 CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
-                  const lowering::LoweringEntry& entry, const PolyPlan& plan, std::vector<bool>& dynamic_out) {
+                  const lowering::LoweringEntry& entry, const PolyPlan& plan, std::vector<int64_t>& dynamic_out) {
   CallSpec real = ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);  // raises as the static path
   if (!real.resize_outputs.empty()) throw UnsupportedOp("shape polymorphism: resizes an output");
-  CallSpec at_b = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket);
-  CallSpec at_b1 = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket + 1);
+  CallSpec at_b = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket, plan.dim);
+  CallSpec at_b1 = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket + 1, plan.dim);
   const size_t n = real.outputs.size();
   if (at_b.outputs.size() != n || at_b1.outputs.size() != n || at_b.defined != real.defined ||
       at_b1.defined != real.defined || at_b.return_alias != real.return_alias || !at_b.resize_outputs.empty())
     throw UnsupportedOp("shape polymorphism: outputs change with the extent");
-  dynamic_out.assign(n, false);
+  dynamic_out.assign(n, -1);
   for (size_t r = 0; r < n; ++r) {
     if (!real.defined[r]) continue;
     const auto &sr = real.outputs[r].sizes, &sb = at_b.outputs[r].sizes, &sb1 = at_b1.outputs[r].sizes;
@@ -927,13 +1054,21 @@ CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
     if (sb == sb1) {
       if (sb != sr) throw UnsupportedOp("shape polymorphism: output sizes change with the extent");
     } else {
-      if (sr.empty() || sb.size() != sr.size() || sb1.size() != sr.size() || sr[0] != plan.extent ||
-          sb[0] != plan.bucket || sb1[0] != plan.bucket + 1 || !std::equal(sr.begin() + 1, sr.end(), sb.begin() + 1) ||
-          !std::equal(sr.begin() + 1, sr.end(), sb1.begin() + 1))
-        throw UnsupportedOp("shape polymorphism: output sizes are not the extent and static dims");
-      dynamic_out[r] = true;
+      if (sb.size() != sr.size() || sb1.size() != sr.size())
+        throw UnsupportedOp("shape polymorphism: output rank changes with the extent");
+      int64_t e = -1;
+      for (size_t d = 0; d < sr.size(); ++d) {
+        if (sb[d] == sb1[d]) {
+          if (sb[d] != sr[d]) throw UnsupportedOp("shape polymorphism: output sizes change with the extent");
+          continue;
+        }
+        if (e >= 0 || sr[d] != plan.extent || sb[d] != plan.bucket || sb1[d] != plan.bucket + 1)
+          throw UnsupportedOp("shape polymorphism: output sizes are not the extent and static dims");
+        e = static_cast<int64_t>(d);
+      }
+      dynamic_out[r] = e;
     }
-    if (real.return_alias[r] >= 0 && !dynamic_out[r])
+    if (real.return_alias[r] >= 0 && dynamic_out[r] != plan.dim)
       throw UnsupportedOp("shape polymorphism: writes a tensor without the dynamic dim");
     if (real.return_alias[r] < 0 && !real.strides[r].empty())
       throw UnsupportedOp("shape polymorphism: a new output is not row-major");
@@ -960,7 +1095,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   compiled->name = schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
   const auto compile_start = std::chrono::steady_clock::now();
   const CallSignature signature = SignatureOf(op, stack, first, entry.traits.static_scalars);  // before resizes
-  std::vector<bool> dynamic_out;
+  std::vector<int64_t> dynamic_out;
   CallSpec spec = plan ? PolySpec(op, stack, first, entry, *plan, dynamic_out)
                        : ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);
   if (!plan) ApplyResizes(spec, stack, first);
@@ -969,8 +1104,10 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
 
   ProgramBuilder pb;
   if (plan) {
-    pb.poly = ProgramBuilder::Poly{plan->dynamic, plan->bucket, plan->leader, entry.traits.shape_poly, std::nullopt};
+    pb.poly = ProgramBuilder::Poly{plan->dynamic, plan->bucket, plan->leader, plan->dim, entry.traits.shape_poly,
+                                   std::nullopt};
     compiled->poly_leader = plan->leader;
+    compiled->poly_dim = static_cast<int8_t>(plan->dim);
     compiled->poly_bucket = plan->bucket;
   }
   auto new_values = pb.AddCall(0, op, stack, first, entry, spec);
@@ -990,11 +1127,12 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     }
     const auto& out = spec.outputs[r];
     int64_t flat_dims[] = {new_values[r]->type.numel()};
-    const bool dynamic = plan && dynamic_out[r];
-    // A dynamic output's buffer is its [bucket, rest...] rows: at least
-    // the capacity's elements for every extent of the bucket.
+    const bool dynamic = plan && dynamic_out[r] >= 0;
+    // A dynamic output's buffer has its numel at the bucket (PolyWrite):
+    // at least the tensor's elements for every extent of the bucket.
     const int64_t n = dynamic ? flat_dims[0] : Capacity(flat_dims[0]);
-    program_results.push_back(lowering::ResizeFlat(pb.b, pb.b.Reshape(*new_values[r], flat_dims), n));
+    program_results.push_back(dynamic ? pb.PolyWrite(*new_values[r], dynamic_out[r])
+                                      : lowering::ResizeFlat(pb.b, pb.b.Reshape(*new_values[r], flat_dims), n));
     OutputSlot slot;
     slot.kind = OutputSlot::Kind::kNewTensor;
     slot.dtype = out.dtype;
@@ -1003,6 +1141,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     slot.element = lowering::ToElementType(out.dtype);
     slot.numel = n;
     slot.dynamic = dynamic;
+    slot.dynamic_dim = static_cast<int8_t>(dynamic ? dynamic_out[r] : 0);
     compiled->returns.push_back({false, static_cast<int16_t>(compiled->outputs.size())});
     compiled->outputs.push_back(std::move(slot));
   }
@@ -1326,58 +1465,70 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   // Shape churn (DESIGN.md "One ATen call", dynamic dims): the exact key
   // missed; a call of a family that compiled kPolyAfter shapes already is
   // served by (or compiles) the program for its bucket.
-  PolyPlan plan;
-  int* family = nullptr;
-  if (shape_poly && ShapePolyEnabled() && PlanPoly(op, stack, first, entry, plan)) {
+  // Every dim d of the highest-rank tensors that the call could share
+  // along (PlanPoly) is a family of its own (the key without the dynamic
+  // tensors' dim d); the first that compiled kPolyAfter exact shapes
+  // serves the call, the others count this compile.
+  std::vector<int*> families;
+  if (families_.size() > (size_t{1} << 16)) families_.clear();  // a bound; only the heuristic forgets
+  int16_t poly_leader = -1;
+  const int64_t poly_rank = shape_poly && ShapePolyEnabled() && entry.traits.shape_poly != lowering::PadFill::kNone
+                                ? PolyRank(op, stack, first, poly_leader)
+                                : 0;
+  for (int64_t dim = 0; dim < poly_rank; ++dim) {
+    PolyPlan plan;
+    if (!PlanPoly(op, stack, first, entry, dim, plan)) continue;
     thread_local OpKey poly_key;
     poly_key.op = key.op;
     poly_key.atoms.clear();
+    poly_key.atoms.push_back(dim);
     StorageIds ids;
-    AppendCallKey(op, stack, first, entry, poly_key.atoms, ids, plan.dynamic, -1);
-    if (families_.size() > (size_t{1} << 16)) families_.clear();  // a bound; only the heuristic forgets
-    family = &families_[KeyHash(poly_key)];
-    if (*family >= kPolyAfter) {
-      poly_key.atoms.clear();
-      poly_key.atoms.push_back(-1);  // not a default dtype: no exact key starts so
-      poly_key.atoms.push_back(plan.bucket);
-      poly_key.atoms.push_back(plan.leader);
-      StorageIds poly_ids;
-      AppendCallKey(op, stack, first, entry, poly_key.atoms, poly_ids, plan.dynamic, plan.bucket);
-      poly_key.hash = KeyHash(poly_key);
-      if (auto hit = cache_.Find(poly_key)) {
-        metrics.cache_hits++;
-        // The exact key serves later calls directly (no poly key to build).
-        cache_.Insert(key, hit);
-        return ready(std::move(hit));
-      }
-      std::unique_ptr<CompiledOp> built;
-      Deferred d;
-      try {
-        built = Compile(op, stack, first, entry, &plan, &d);
-      } catch (const std::exception&) {
-        built = nullptr;  // the static program below (which raises what the call raises)
-      }
-      if (built) {
-        metrics.cache_misses++;
-        std::shared_ptr<const CompiledOp> compiled;
-        if (host_first) {
-          compiled = finish(std::move(built), d);
-        } else {
-          try {
-            FinishCompile(*built, d);
-            compiled = std::move(built);
-          } catch (const std::exception&) {
-            compiled = nullptr;
-          }
-        }
-        if (compiled) {
-          cache_.Insert(key, compiled);
-          return cache_.Insert(poly_key, std::move(compiled));
-        }
-      }
-      *family = -1;  // declined: this family keeps exact shapes
-      family = nullptr;
+    AppendCallKey(op, stack, first, entry, poly_key.atoms, ids, plan.dynamic, -1, dim);
+    int* family = &families_[KeyHash(poly_key)];
+    if (*family < kPolyAfter) {
+      if (*family >= 0) families.push_back(family);
+      continue;
     }
+    poly_key.atoms.clear();
+    poly_key.atoms.push_back(-1);  // not a default dtype: no exact key starts so
+    poly_key.atoms.push_back(plan.bucket);
+    poly_key.atoms.push_back(plan.leader);
+    poly_key.atoms.push_back(dim);
+    StorageIds poly_ids;
+    AppendCallKey(op, stack, first, entry, poly_key.atoms, poly_ids, plan.dynamic, plan.bucket, dim);
+    poly_key.hash = KeyHash(poly_key);
+    if (auto hit = cache_.Find(poly_key)) {
+      metrics.cache_hits++;
+      // The exact key serves later calls directly (no poly key to build).
+      cache_.Insert(key, hit);
+      return ready(std::move(hit));
+    }
+    std::unique_ptr<CompiledOp> built;
+    Deferred d;
+    try {
+      built = Compile(op, stack, first, entry, &plan, &d);
+    } catch (const std::exception&) {
+      built = nullptr;  // the static program below (which raises what the call raises)
+    }
+    if (built) {
+      metrics.cache_misses++;
+      std::shared_ptr<const CompiledOp> compiled;
+      if (host_first) {
+        compiled = finish(std::move(built), d);
+      } else {
+        try {
+          FinishCompile(*built, d);
+          compiled = std::move(built);
+        } catch (const std::exception&) {
+          compiled = nullptr;
+        }
+      }
+      if (compiled) {
+        cache_.Insert(key, compiled);
+        return cache_.Insert(poly_key, std::move(compiled));
+      }
+    }
+    *family = -1;  // declined: this family keeps exact shapes
   }
   metrics.cache_misses++;
   std::shared_ptr<const CompiledOp> compiled;
@@ -1387,7 +1538,7 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   } else {
     compiled = Compile(op, stack, first, entry);
   }
-  if (family && *family >= 0) ++*family;
+  for (int* family : families) ++*family;
   return cache_.Insert(key, std::move(compiled));
 }
 
@@ -1450,7 +1601,7 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
   for (size_t i = 0; i < inputs.size(); ++i) {
     const InputSlot& s = inputs[i];
     if (s.kind == InputSlot::Kind::kExtent) {
-      const int64_t n = TensorOf(arg_of, s.call, s.arg, -1).size(0);
+      const int64_t n = TensorOf(arg_of, s.call, s.arg, -1).size(s.extent_dim);
       li.temps.push_back(rt.ScalarBuffer(&n, hlo::ElementType::kS64, li.device_index));
       li.buffers[i] = li.temps.back().get();
     } else if (s.kind == InputSlot::Kind::kScalar) {
@@ -1521,7 +1672,7 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
       rt.AddPendingCheck(std::move(sb.buffer), op.check_messages[check++]);
     } else if (o.kind == OutputSlot::Kind::kNewTensor && o.dynamic) {
       std::vector<int64_t> sizes = o.sizes;
-      sizes[0] = TensorOf(arg_of, 0, op.poly_leader, -1).size(0);
+      sizes[static_cast<size_t>(o.dynamic_dim)] = TensorOf(arg_of, 0, op.poly_leader, -1).size(op.poly_dim);
       new_tensors.push_back(WrapBuffer(std::move(sb), sizes, o.dtype, li.device_index));
     } else if (o.kind == OutputSlot::Kind::kNewTensor) {
       new_tensors.push_back(WrapBuffer(std::move(sb), o.sizes, o.dtype, li.device_index, o.strides));

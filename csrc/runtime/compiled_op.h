@@ -48,7 +48,7 @@ struct OpKeyHash {
 // Where each runtime input of the executable comes from at launch.
 struct InputSlot {
   // kExtent: the dynamic extent of a shape-polymorphic program (an s64
-  // scalar): size(0) of argument `arg`.
+  // scalar): size(extent_dim) of argument `arg`.
   enum class Kind : uint8_t { kStorage, kScalar, kRng, kExtent };
   Kind kind = Kind::kStorage;
   int32_t call = 0;   // which call of a fused region (0 for a single op)
@@ -56,6 +56,7 @@ struct InputSlot {
   int16_t item = -1;  // element of a tensor list, or -1
   hlo::ElementType element = hlo::ElementType::kF32;
   int64_t rng_increment = 0;  // kRng: values drawn, the generator offset's advance
+  int8_t extent_dim = 0;      // kExtent: the dynamic dim of argument `arg`
 };
 
 // What each executable output becomes.
@@ -64,11 +65,12 @@ struct OutputSlot {
   Kind kind = Kind::kNewTensor;
   int16_t arg = -1, item = -1;  // kStorageWrite: whose storage is replaced
   at::ScalarType dtype = at::kFloat;
-  std::vector<int64_t> sizes;   // kNewTensor (sizes[0]: the bucket where `dynamic`)
+  std::vector<int64_t> sizes;   // kNewTensor (sizes[dynamic_dim]: the bucket where `dynamic`)
   std::vector<int64_t> strides; // kNewTensor: CallSpec::strides (empty: contiguous)
   hlo::ElementType element = hlo::ElementType::kF32;
   int64_t numel = 0;            // elements of the output buffer
-  bool dynamic = false;         // kNewTensor: sizes[0] is the launch's extent
+  bool dynamic = false;         // kNewTensor: sizes[dynamic_dim] is the launch's extent
+  int8_t dynamic_dim = 0;
 };
 
 // The op's returns: a new tensor (index into outputs) or an argument
@@ -115,9 +117,10 @@ struct CompiledOp {
   std::vector<std::pair<int16_t, std::vector<int64_t>>> resize_outputs;
   std::string module_text;  // kept for TORCH_TPU_DUMP_HLO and errors
   // A shape-polymorphic program (OpCache::Lookup): serves every call whose
-  // argument `poly_leader` has size(0) in (.., poly_bucket]; `spec` is the
-  // call's at the bucket then, not any one call's.
+  // argument `poly_leader` has size(poly_dim) in (.., poly_bucket]; `spec`
+  // is the call's at the bucket then, not any one call's.
   int16_t poly_leader = -1;
+  int8_t poly_dim = 0;
   int64_t poly_bucket = 0;
   // Set while (and after) the executable compiles in the background; every
   // user but the call that started it waits on it (OpCache::Lookup).
@@ -126,10 +129,10 @@ struct CompiledOp {
 
 // Runs the op on meta tensors; throws UnsupportedOp if it cannot.
 // `dynamic` (per argument, may be empty): the tensor arguments marked 1 are
-// seen with size(0) = `extent` (contiguous).
+// seen with size(dim) = `extent` (contiguous).
 CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                      bool out_resized_by_numel = false, std::span<const int8_t> dynamic = {},
-                     int64_t extent = 0);
+                     int64_t extent = 0, int64_t dim = 0);
 void ApplyResizes(const CallSpec& spec, const torch::jit::Stack& stack, size_t first);
 
 // Builds one program from one or more ATen calls over tpu storages
@@ -157,18 +160,31 @@ class ProgramBuilder {
   // raised as RuntimeError): a pred value, true = failed.
   std::vector<std::pair<hlo::Value, std::string>> index_checks;
   // Shape polymorphism (one call, call 0): the tensor arguments marked in
-  // `dynamic` are read as [bucket, rest...] (rows past the runtime extent —
-  // an s64 parameter, size(0) of argument `leader` — are the buffer's
-  // padding, or zeros, replaced by `fill` where that is not kAny) and
-  // written whole as [bucket * rest] buffers.
+  // `dynamic` are read with dim `dim` = bucket (positions past the runtime
+  // extent — an s64 parameter, size(dim) of argument `leader` — are
+  // padding of no defined content, replaced by `fill` where that is not
+  // kAny); their storages and dynamic outputs are written as buffers of
+  // numel-at-the-bucket elements whose prefix is the extent's contiguous
+  // tensor (PolyRead / PolyWrite).
   struct Poly {
     std::vector<int8_t> dynamic;
     int64_t bucket = 0;
     int16_t leader = -1;
+    int64_t dim = 0;
     lowering::PadFill fill = lowering::PadFill::kAny;
     std::optional<hlo::Value> extent;
   };
   std::optional<Poly> poly;
+  // The runtime extent (an s64 parameter, created at first use).
+  hlo::Value PolyExtent();
+  // `flat` (a buffer holding a contiguous tensor of `dims` with
+  // dims[dim] = the extent, then anything) as a `dims` value with
+  // dims[dim] = the bucket; positions past the extent along `dim` hold
+  // other elements or zeros.
+  hlo::Value PolyRead(hlo::Value flat, std::span<const int64_t> dims, int64_t dim);
+  // The inverse: `value` (dims[dim] = the bucket) as a flat buffer of its
+  // numel whose prefix is the contiguous tensor at the extent.
+  hlo::Value PolyWrite(hlo::Value value, int64_t dim);
 
   // Lowers one call (arguments at stack[first...]); returns, per return,
   // the value of a new tensor (shaped and typed per `spec`), or nullopt
@@ -193,7 +209,7 @@ class ProgramBuilder {
     return poly && use.item < 0 && use.arg >= 0 && static_cast<size_t>(use.arg) < poly->dynamic.size() &&
            poly->dynamic[static_cast<size_t>(use.arg)];
   }
-  hlo::Value PolyRows(const at::Tensor& t, hlo::Value flat);  // [bucket, rest...] of a dynamic tensor
+  hlo::Value PolyRows(const at::Tensor& t, hlo::Value flat);  // a dynamic tensor at the bucket, padding filled
   void WriteTensor(const at::Tensor& t, const InputSlot& use, hlo::Value value);
   void AddIndexChecks(const std::string& name, const lowering::LoweringContext& ctx,
                       const lowering::LoweringEntry& entry);
@@ -384,12 +400,13 @@ struct StorageIds {
   std::vector<const DeviceStorage*> seen;
   int64_t Id(const DeviceStorage* s);
 };
-// `dynamic`/`extent` (shape-polymorphic keys): marked tensors are keyed with
-// size(0) = extent and, instead of the storage's bytes, whether they cover
-// them all; extent < 0 (a family key) leaves out their buffer sizes too.
+// `dynamic`/`extent`/`dim` (shape-polymorphic keys): marked tensors are
+// keyed with size(dim) = extent, no strides (they are contiguous) and,
+// instead of the storage's bytes, whether they cover them all; extent < 0
+// (a family key) leaves out their buffer sizes too.
 void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                    const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& storage_ids,
-                   std::span<const int8_t> dynamic = {}, int64_t extent = 0);
+                   std::span<const int8_t> dynamic = {}, int64_t extent = 0, int64_t dim = 0);
 
 // Launches the op with the call's arguments (the last `num_args` values of
 // the stack), replaces them with the op's returns, and returns the new

@@ -380,3 +380,207 @@ def test_fused_mode_unchanged():
             t = x.to(TPU)
             _same((t * 2 + 1).sum(), (x * 2 + 1).sum(), exact=False)
             _same(t * 2 + 1, x * 2 + 1)
+
+
+# --- a dynamic dim other than the leading one ---------------------------------
+# PlanPoly tries every dim of the highest-rank tensors; a family per dim. A tensor
+# [outer..., n, inner...] is read from its flat buffer by `outer` dynamic slices and
+# written back the same way (ProgramBuilder::PolyRead/PolyWrite).
+
+def _data_at(shape, dtype=torch.float32, seed=0, special=True):
+    g = torch.Generator().manual_seed(seed + sum(shape) * 31 + len(shape))
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if not dtype.is_floating_point:
+        return torch.randint(-50, 50, shape, generator=g).to(dtype)
+    x = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    if special and x.numel() >= 8:
+        flat = x.view(-1)
+        flat[1], flat[4], flat[6] = math.nan, math.inf, -math.inf
+    return x
+
+
+# Bucket edges 16 and 20 (b-1, b, b+1), 0 and 1: few buckets, so few compiles per op.
+INNER_LENGTHS = [0, 1, 15, 16, 17, 19, 20, 21]
+
+
+def _sweep_shapes(fn, shape_of, lengths=INNER_LENGTHS, dtypes=(torch.float32,), nargs=1, exact=True,
+                  special=True, skip_empty=False):
+    with no_cpu_fallback():
+        for dtype in dtypes:
+            for n in lengths:
+                if skip_empty and n == 0:
+                    continue
+                xs = [_data_at(shape_of(n, i), dtype, seed=i, special=special) for i in range(nargs)]
+                _same(fn(*[x.to(TPU) for x in xs]), fn(*xs), exact=exact)
+
+
+INNER_ELEMENTWISE = {
+    # (fn, shapes per argument as a function of n)
+    "mul_add_mid": (lambda x: x * 2 + 1, lambda n, i: (2, n, 3)),
+    "add_mask_last": (lambda s, m: s + m, lambda n, i: (1, 4, 1, n) if i == 0 else (1, 1, 1, n)),
+    "where_last": (lambda x, y: torch.where(x > y, x, y), lambda n, i: (3, n)),
+    "isneginf_last": (lambda x: torch.isneginf(x) | torch.isposinf(x), lambda n, i: (1, 4, 1, n)),
+    "bias_static": (lambda x, b: x + b, lambda n, i: (2, n, 5) if i == 0 else (5,)),
+    "row_static": (lambda x, b: x * b, lambda n, i: (2, n, 5) if i == 0 else (2, 1, 5)),
+}
+
+
+@pytest.mark.parametrize("name", list(INNER_ELEMENTWISE))
+def test_inner_dim_elementwise(mode, name):
+    fn, shape_of = INNER_ELEMENTWISE[name]
+    nargs = 1 if name in ("mul_add_mid", "isneginf_last") else 2
+    _sweep_shapes(fn, shape_of, nargs=nargs)
+
+
+def test_inner_dim_integer_exact(mode):
+    _sweep_shapes(lambda x, y: torch.bitwise_xor(x * 3 + y, 5), lambda n, i: (3, n, 2), dtypes=(torch.int64,),
+                  nargs=2)
+    _sweep_shapes(lambda x, y: (x & y) | ~x, lambda n, i: (2, 2, n), dtypes=(torch.bool,), nargs=2)
+
+
+INNER_REDUCTIONS = {
+    "sum_over_dynamic": (lambda x: x.sum(-1), lambda n, i: (2, 3, n), False),
+    "sum_keeps_dynamic": (lambda x: x.sum(0), lambda n, i: (2, n, 3), False),  # output's dynamic dim is 0
+    "amax_over_dynamic": (lambda x: x.amax(1), lambda n, i: (2, n, 3), True),
+    "all_over_dynamic": (lambda x: (x > -1).all(-1), lambda n, i: (1, 4, 1, n), True),
+    "prod_over_dynamic": (lambda x: x.prod(1), lambda n, i: (3, n), False),
+}
+
+
+@pytest.mark.parametrize("name", list(INNER_REDUCTIONS))
+def test_inner_dim_reductions(mode, name):
+    fn, shape_of, exact = INNER_REDUCTIONS[name]
+    skip_empty = name.startswith("amax")
+    _sweep_shapes(fn, shape_of, exact=exact, skip_empty=skip_empty)
+    _sweep_shapes(fn, shape_of, exact=exact, skip_empty=skip_empty, special=False)
+
+
+def _attention_scores(n, seed=0):
+    """[1, 4, 1, n] scores with a -inf (masked) tail, an all-(-inf) head, a NaN head."""
+    s = _data_at((1, 4, 1, n), seed=seed, special=False)
+    if n >= 3:
+        s[0, 0, 0, n - 2:] = -math.inf
+    if n >= 1:
+        s[0, 1] = -math.inf
+        s[0, 2, 0, n // 2] = math.nan
+        s[0, 3, 0, 0] = math.inf
+    return s
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_inner_dim_softmax(mode, log):
+    """Softmax over the dynamic dim: padding is -inf (exp gives 0), so every row, incl. the
+    all-(-inf) (NaN), NaN and +inf rows, is CPU's; over a static dim too."""
+    f = torch.log_softmax if log else torch.softmax
+    with no_cpu_fallback():
+        for n in INNER_LENGTHS:
+            s = _attention_scores(n)
+            _same(f(s.to(TPU), -1), f(s, -1), exact=False)
+            x = _data_at((2, n, 3), special=False)
+            _same(f(x.to(TPU), 1), f(x, 1), exact=False)
+            _same(f(x.to(TPU), -1), f(x, -1), exact=False)  # softmax over a static dim
+
+
+def test_inner_dim_inplace_and_fill(mode):
+    with no_cpu_fallback():
+        for n in INNER_LENGTHS:
+            x = _data_at((3, n, 2), special=False)
+            t = x.to(TPU)
+            t.add_(1).mul_(2)
+            _same(t, (x + 1) * 2)
+            t.relu_()
+            _same(t, ((x + 1) * 2).relu())
+            t.fill_(2.5)
+            _same(t, torch.full((3, n, 2), 2.5))
+            y = _data_at((3, n, 2), seed=5)
+            t.copy_(y.to(TPU))
+            _same(t, y)
+
+
+def test_inner_dim_outputs_feed_other_ops(mode):
+    """Outputs whose dynamic dim is not the leading one (runs laid back contiguous) read by
+    exact-shape ops, views, cat and host reads."""
+    for n in [1, 16, 17, 19, 21, 33]:
+        x = _data_at((2, n, 3), special=False)
+        y, e = x.to(TPU) * 2 - 1, x * 2 - 1
+        _same(y.reshape(-1), e.reshape(-1))
+        _same(y.transpose(0, 1).contiguous(), e.transpose(0, 1).contiguous())
+        _same(torch.cat([y, y], 1), torch.cat([e, e], 1))
+        _same(y[1, -1], e[1, -1])
+        _same(y.softmax(1).sum(0), e.softmax(1).sum(0), exact=False)
+
+
+def test_inner_dim_lower_rank_spanning_dynamic(mode):
+    """A lower-rank operand that reaches the dynamic dim keeps exact shapes (correct values),
+    and a mismatch raises as on CPU."""
+    for n in [17, 19, 21, 23]:
+        x, y = _data_at((2, n), special=False), _data_at((n,), seed=1, special=False)
+        _same(x.to(TPU) + y.to(TPU), x + y)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        (torch.ones(2, 19, device=TPU) + torch.ones(2, 20, device=TPU)).cpu()
+    with pytest.raises(RuntimeError, match="must match the size"):
+        (torch.ones(2, 19, device=TPU) + torch.ones(20, device=TPU)).cpu()
+
+
+def test_inner_dim_many_runs_declines(mode):
+    """More than 64 runs before the dynamic dim: exact shapes, values as on CPU."""
+    _sweep_shapes(lambda x: x * 3 - 1, lambda n, i: (65, n), lengths=[1, 17, 19, 21])
+
+
+def test_inner_dim_bounded_compiles(strict):
+    """20 lengths of [1, 4, 1, n] scores + a [1, 1, 1, n] mask, softmax, isneginf and all
+    over the last dim: per op at most kPolyAfter exact programs plus one per bucket."""
+    lengths = list(range(101, 121))
+    buckets = {capacity(n) for n in lengths}
+    before = _compiles()
+    for n in lengths:
+        s = _data_at((1, 4, 1, n), torch.float64, special=False)
+        m = _data_at((1, 1, 1, n), torch.float64, seed=2, special=False)
+        p = (s.to(TPU) + m.to(TPU)).softmax(-1)
+        _same(p, (s + m).softmax(-1), exact=False)
+        _same(torch.isneginf(p).all(-1), torch.isneginf((s + m).softmax(-1)).all(-1))
+    compiles = _compiles() - before
+    bound = 4 * (2 + len(buckets))  # add, softmax, isneginf, all
+    assert compiles <= bound, (compiles, bound)
+    before = _compiles()
+    for n in [102, 111, 117]:  # later lengths of the same buckets compile nothing
+        s = _data_at((1, 4, 1, n), torch.float64, seed=9, special=False)
+        _same(s.to(TPU).softmax(-1), s.softmax(-1), exact=False)
+    assert _compiles() == before
+
+
+def _repeat_kv(k, n_rep=2):
+    """transformers' repeat_kv: [b, kv, n, d] -> [b, kv * n_rep, n, d] through an expanded view."""
+    b, kv, n, d = k.shape
+    return k[:, :, None, :, :].expand(b, kv, n_rep, n, d).reshape(b, kv * n_rep, n, d)
+
+
+def test_inner_dim_views(mode):
+    """Permuted and expanded views of a contiguous block (offset 0) are read through their
+    memory order: repeat_kv's clone of an expanded view, reductions of a transposed view
+    (whose output's dynamic dim is another one), elementwise ops on a transposed view (CPU
+    keeps the transposed strides: exact shapes)."""
+    with no_cpu_fallback():
+        for n in [0, 1, 2, 16, 17, 19]:
+            k = _data_at((1, 2, n, 16), special=False)
+            _same(_repeat_kv(k.to(TPU)), _repeat_kv(k))
+            m = _data_at((n, 4))
+            _same(m.to(TPU).t().amax(1) if n else m.to(TPU).t().sum(1), m.t().amax(1) if n else m.t().sum(1))
+            _same(m.to(TPU).t().sum(0), m.t().sum(0), exact=False)
+            _same(m.to(TPU).t() * 2, m.t() * 2)
+            x = _data_at((2, n, 3), special=False)
+            _same(x.to(TPU).transpose(1, 2).softmax(-1), x.transpose(1, 2).softmax(-1), exact=False)
+
+
+def test_repeat_kv_bounded_compiles(strict):
+    """repeat_kv over 20 KV-cache lengths: the clone of the expanded view compiles at most
+    kPolyAfter exact programs plus one per bucket."""
+    lengths = list(range(101, 121))
+    buckets = {capacity(n) for n in lengths}
+    before = torch_tpu.metrics()["compiles_by_op"].get("aten::clone", {}).get("compiles", 0)
+    for n in lengths:
+        k = _data_at((1, 2, n, 8), torch.float64, special=False)
+        _same(_repeat_kv(k.to(TPU)), _repeat_kv(k))
+    compiles = torch_tpu.metrics()["compiles_by_op"]["aten::clone"]["compiles"] - before
+    assert compiles <= 2 + len(buckets), compiles
