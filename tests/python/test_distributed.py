@@ -1017,6 +1017,17 @@ def _zero_copy_worker(rank, world, args):
         if report[f"coalesced_{kind}"] == "ok" and moved != nbytes:
             report[f"coalesced_{kind}"] = f"{moved} bytes moved, expected {nbytes} (the results' download)"
     dist.barrier()
+    # TORCH_TPU_DIST_ZERO_COPY: '0' makes a staged group, anything but '0'/'1' raises
+    os.environ["TORCH_TPU_DIST_ZERO_COPY"] = "0"
+    report["staged_group"] = dist.new_group(backend="tpu_dist")._get_backend(torch.device("tpu")).zero_copy
+    os.environ["TORCH_TPU_DIST_ZERO_COPY"] = "yes"
+    try:
+        dist.new_group(backend="tpu_dist")
+        report["bad_env"] = "no error"
+    except RuntimeError as e:
+        report["bad_env"] = str(e).splitlines()[0]
+    finally:
+        del os.environ["TORCH_TPU_DIST_ZERO_COPY"]
     return {"report": report}
 
 
@@ -1040,3 +1051,9 @@ def test_zero_copy_matches_gloo(zero_copy_reports, case):
 
 def test_zero_copy_keeps_storage(zero_copy_reports):
     assert all(r["zero_copy"] and r["same_storage"] for r in zero_copy_reports), zero_copy_reports
+
+
+def test_zero_copy_setting(zero_copy_reports):
+    for r in zero_copy_reports:
+        assert r["staged_group"] is False
+        assert "tpu_dist: TORCH_TPU_DIST_ZERO_COPY must be '0' or '1', got 'yes'" in r["bad_env"], r["bad_env"]
