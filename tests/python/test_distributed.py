@@ -9,7 +9,7 @@ computes on the same host values; AVG and PREMUL_SUM, which gloo lacks, are
 compared with gloo's SUM divided / pre-multiplied on CPU).
 
 Tiers: the default run (about 2 minutes on 2 cores) checks the collectives
-in strict mode, a 1-D DeviceMesh, failures, DDP (strict and fused), FSDP2
+in strict mode, the zero-copy path's cases, a 1-D DeviceMesh, failures, DDP (strict and fused), FSDP2
 (fp32 and bf16/f32 mixed precision) and functional collectives in a
 torch.compile graph;
 TORCH_TPU_DIST_FULL=1 adds the collectives in fused mode, a 4-rank 2-D
