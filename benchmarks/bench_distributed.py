@@ -2,15 +2,18 @@
 """all_reduce bus bandwidth, 2 ranks on localhost, measured side by side in one run.
 
 For each size (default 1 MB and 64 MB of float32): ``dist.all_reduce`` of a
-tpu tensor through tpu_dist (host-staged: tpu -> host, gloo, host -> tpu,
-timed until the result is back in the tpu tensor: ``torch.tpu.synchronize``)
-and of a CPU tensor of the same size through a gloo group, the two
-interleaved call by call (the same load on both). Prints the median
-time of --iters calls after --warmup, the bus bandwidth (NCCL's definition for
-all_reduce: 2 (n - 1) / n * bytes / time) and the ratio tpu / gloo (higher is
-better; the issue's target is at least 0.8x), and a breakdown of the staged
-call: a tpu->host copy_ into a host tensor, gloo's all_reduce, a host->tpu
-copy_ + synchronize, beside a host memcpy of the same size. Then the DDP training step
+tpu tensor through tpu_dist's default group (zero-copy on the CPU plugin:
+gloo runs on the tpu buffer's own host memory), through a second tpu_dist
+group made with TORCH_TPU_DIST_ZERO_COPY=0 (host-staged: tpu -> host, gloo,
+host -> tpu), each timed until the result is in the tpu tensor
+(``torch.tpu.synchronize``), and of a CPU tensor of the same size through a
+gloo group, the three interleaved call by call (the same load on all).
+Prints the median time of --iters calls after --warmup, the bus bandwidth
+(NCCL's definition for all_reduce: 2 (n - 1) / n * bytes / time) and the
+ratios tpu / gloo (higher is better; the issue's target is at least 0.8x),
+and a breakdown of the staged call: a tpu->host copy_ into a host tensor,
+gloo's all_reduce, a host->tpu copy_ + synchronize, beside a host memcpy of
+the same size. Then the DDP training step
 (MLP 256-512-512-10, batch 64 per rank, SGD, strict mode) on 2 ranks vs the
 same DDP step on 1 rank: the ratio is the cost of the gradient all-reduce. Each rank runs with one
 intra-op thread, as torchrun sets it (OMP_NUM_THREADS=1): with a thread pool
@@ -68,13 +71,19 @@ def _worker(rank, world, store, sizes_mb, iters, warmup, out):
     dist.init_process_group("tpu_dist", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     gloo = dist.new_group(backend="gloo")
+    os.environ["TORCH_TPU_DIST_ZERO_COPY"] = "0"
+    staged = dist.new_group(backend="tpu_dist")
+    del os.environ["TORCH_TPU_DIST_ZERO_COPY"]
+    assert dist.group.WORLD._get_backend(torch.device("tpu")).zero_copy
+    assert not staged._get_backend(torch.device("tpu")).zero_copy
     rows = []
     for mb in sizes_mb if world > 1 else []:
         n = int(mb * 2**20) // 4
         t = torch.ones(n, device="tpu")
         c = torch.ones(n)
         host = torch.empty(n)
-        times = {k: [] for k in ("tpu host-staged", "gloo cpu", "tpu->host copy", "host->tpu copy", "host memcpy")}
+        times = {k: [] for k in ("tpu zero-copy", "tpu host-staged", "gloo cpu", "tpu->host copy", "host->tpu copy",
+                                 "host memcpy")}
 
         def timed(name, fn, i):
             dist.barrier(group=gloo)
@@ -85,7 +94,8 @@ def _worker(rank, world, store, sizes_mb, iters, warmup, out):
 
         # interleaved per iteration, so that both sides see the same load
         for i in range(warmup + iters):
-            timed("tpu host-staged", lambda: (dist.all_reduce(t), torch.tpu.synchronize()), i)
+            timed("tpu zero-copy", lambda: (dist.all_reduce(t), torch.tpu.synchronize()), i)
+            timed("tpu host-staged", lambda: (dist.all_reduce(t, group=staged), torch.tpu.synchronize()), i)
             timed("gloo cpu", lambda: dist.all_reduce(c, group=gloo), i)
             # the staging's parts, for the breakdown (host holds t's values)
             timed("tpu->host copy", lambda: host.copy_(t), i)
@@ -93,8 +103,10 @@ def _worker(rank, world, store, sizes_mb, iters, warmup, out):
             timed("host memcpy", lambda: host.copy_(c), i)
         timings = {k: statistics.median(v) for k, v in times.items()}
         # the values are still right after warmup + iters sums of ones
-        expect = float(world ** (warmup + iters))
-        assert t[:4].cpu().tolist() == [expect] * 4 and c[:4].tolist() == [expect] * 4 or n == 0
+        # (t: two all_reduces per iteration, c: one)
+        calls = warmup + iters
+        assert t[:4].cpu().tolist() == [float(world ** (2 * calls))] * 4 or n == 0
+        assert c[:4].tolist() == [float(world ** calls)] * 4 or n == 0
         rows.append({"mb": mb, **timings})
     ddp_ms = _ddp_step_ms(iters, warmup + 1)
     dist.destroy_process_group()
@@ -135,18 +147,20 @@ def main() -> int:
         one = _launch(1, args, tmp)
     rows = two["rows"]
     factor = 2 * (world - 1) / world
-    print(f"all_reduce float32, {world} ranks on localhost, median of {args.iters} calls")
-    print("| size | tpu host-staged (ms) | gloo cpu (ms) | tpu busbw (GB/s) | gloo busbw (GB/s) | ratio tpu/gloo |")
-    print("|---|---|---|---|---|---|")
+    print(f"all_reduce float32, {world} ranks on localhost, median of {args.iters} calls, "
+          f"load average {os.getloadavg()[0]:.2f} (1 min) at the end")
+    print("| size | tpu zero-copy (ms) | tpu host-staged (ms) | gloo cpu (ms) | zero-copy busbw (GB/s) | "
+          "gloo busbw (GB/s) | ratio zero-copy/gloo | ratio staged/gloo |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         nbytes = r["mb"] * 2**20
-        bw = {k: factor * nbytes / r[k] / 1e9 for k in ("tpu host-staged", "gloo cpu")}
-        print(f"| {r['mb']:g} MB | {r['tpu host-staged'] * 1e3:.2f} | {r['gloo cpu'] * 1e3:.2f} | "
-              f"{bw['tpu host-staged']:.2f} | {bw['gloo cpu']:.2f} | "
-              f"{bw['tpu host-staged'] / bw['gloo cpu']:.2f}x |")
+        bw = {k: factor * nbytes / r[k] / 1e9 for k in ("tpu zero-copy", "tpu host-staged", "gloo cpu")}
+        print(f"| {r['mb']:g} MB | {r['tpu zero-copy'] * 1e3:.2f} | {r['tpu host-staged'] * 1e3:.2f} | "
+              f"{r['gloo cpu'] * 1e3:.2f} | {bw['tpu zero-copy']:.2f} | {bw['gloo cpu']:.2f} | "
+              f"{bw['tpu zero-copy'] / bw['gloo cpu']:.2f}x | {bw['tpu host-staged'] / bw['gloo cpu']:.2f}x |")
     print()
-    print("where the tpu all_reduce's time goes (median ms; the staged call is a tpu->host copy into a")
-    print("pooled buffer, gloo's all_reduce of it, a host->tpu copy back)")
+    print("where the staged tpu all_reduce's time goes (median ms; the staged call is a tpu->host copy into a")
+    print("pooled buffer, gloo's all_reduce of it, a host->tpu copy back; the zero-copy call is gloo's alone)")
     print("| size | tpu->host copy | gloo all_reduce | host->tpu copy | sum | staged call | host memcpy |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -49,6 +49,11 @@ class StagingPool {
  public:
   static constexpr int64_t kMaxIdleBytes = int64_t{256} << 20;
 
+  explicit StagingPool(bool zero_copy) : zero_copy(zero_copy) {}
+  // Whether collectives may hand gloo a tpu tensor's own buffer memory
+  // (Staging::Direct; TORCH_TPU_DIST_ZERO_COPY=0 turns it off).
+  const bool zero_copy;
+
   at::Tensor Acquire(at::ScalarType dtype, int64_t numel) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -80,6 +85,22 @@ class StagingPool {
 
 namespace {
 
+// Zero-copy: a tpu tensor whose elements gloo reads (and writes) in its
+// storage buffer's own memory, where the plugin's buffers are host memory
+// (pjrt::Buffer::PinHostMemory: the XLA CPU plugin). `host` is a CPU tensor
+// over the tensor's bytes in that memory (its storage offset on; the rest of
+// the buffer, other views' elements and the capacity's padding, is not
+// touched); `buffer` and `memory` keep the buffer alive and pinned until the
+// Work finished. `writes`: gloo writes it (the storage's write id is renewed
+// when the Work finishes: host copies of its elements are stale).
+struct DirectTensor {
+  at::Tensor tensor;
+  at::Tensor host;
+  std::shared_ptr<pjrt::Buffer> buffer;
+  std::unique_ptr<pjrt::HostMemory> memory;  // after buffer: released first
+  bool writes = false;
+};
+
 // What one collective stages: host tensors handed to gloo, the host results
 // to write back into tpu (or caller-owned cpu) tensors, host-side steps run
 // after gloo finished (AVG's division), and the tensors the future holds.
@@ -90,6 +111,70 @@ struct Staging {
   std::vector<std::function<void()>> after;                  // run before copy_back
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> pooled;  // returned to the pool when the Work finished
+  std::vector<DirectTensor> direct;      // zero-copy tensors, finished after copy_back
+
+  // t's elements in its buffer's host memory, for gloo to use in place;
+  // undefined where that is not possible or not safe (the tensor is then
+  // staged). Possible for a non-empty contiguous tpu tensor (no conj/neg
+  // bit) whose buffer is host memory. Safe: the storage's value is
+  // materialized first (a recorded fused region runs: a collective is a sync
+  // point); the buffer is ready (a failed producer: staged, which raises
+  // naming it); to be written (`writes`), the storage must be its only holder
+  // besides this collective's other views of it (no other storage, cached
+  // scalar, pending check or debug input shares it: PJRT buffers are shared
+  // as immutable values), and every launched program has finished
+  // (Runtime::Sync: one launched before may still read it). While the Work
+  // runs, this collective's reference keeps the buffer from being donated or
+  // overwritten in place; a write to the tensor before wait() gives the
+  // storage a new buffer, into which the result is then copied (as staged).
+  at::Tensor Direct(const at::Tensor& t, bool writes) {
+    if (!pool->zero_copy || !OnTpu(t) || t.numel() == 0 || !t.is_contiguous() || t.is_conj() || t.is_neg()) {
+      return {};
+    }
+    runtime::DeviceStorage& storage = runtime::StorageOf(t);
+    storage.Materialize(storage.initialized() ? storage.current().element : lowering::ToElementType(t.scalar_type()));
+    if (writes) runtime::Runtime::Get().Sync();
+    if (storage.pending() || !storage.current().buffer) return {};
+    std::shared_ptr<pjrt::Buffer> buffer = storage.current().buffer;
+    if (writes) {
+      long mine = 0;
+      for (const auto& d : direct) mine += d.buffer == buffer;
+      if (buffer.use_count() != 2 + mine) return {};  // the storage's, ours above, this collective's
+    }
+    std::unique_ptr<pjrt::HostMemory> memory;
+    try {
+      memory = buffer->PinHostMemory();
+    } catch (const std::exception&) {
+      return {};  // a failed producer: the staged copy raises, naming it
+    }
+    if (!memory) return {};
+    const size_t offset = static_cast<size_t>(t.storage_offset()) * t.element_size();
+    if (offset + t.nbytes() > memory->size()) return {};
+    at::Tensor host = at::from_blob(static_cast<char*>(memory->data()) + offset, t.sizes(),
+                                    at::TensorOptions().dtype(t.scalar_type()).device(at::kCPU));
+    direct.push_back({t, host, std::move(buffer), std::move(memory), writes});
+    return host;
+  }
+  bool IsDirect(const at::Tensor& host) const {
+    for (const auto& d : direct) {
+      if (d.host.is_same(host)) return true;
+    }
+    return false;
+  }
+  // After gloo finished: a written storage that still holds its buffer gets
+  // a new write id (the buffer's bytes changed); one that took a new buffer
+  // (written before wait()) gets the result copied in.
+  void FinishDirect() {
+    for (auto& d : direct) {
+      if (!d.writes) continue;
+      runtime::DeviceStorage& storage = runtime::StorageOf(d.tensor);
+      if (!storage.pending() && storage.current().buffer == d.buffer) {
+        storage.Set(storage.current());
+      } else {
+        d.tensor.copy_(d.host);
+      }
+    }
+  }
 
   // A contiguous host buffer of t's dtype and sizes from the pool.
   at::Tensor HostBuffer(const at::Tensor& t) {
@@ -97,10 +182,14 @@ struct Staging {
     pooled.push_back(flat);
     return flat.view(t.sizes());
   }
-  // Input only: a host copy of a tpu tensor (waits for its pending work).
-  at::Tensor In(const at::Tensor& t) {
+  // Input only: a host view (Direct) or copy of a tpu tensor (waits for its
+  // pending work). direct=false: always a copy (gloo may use it as scratch).
+  at::Tensor In(const at::Tensor& t, bool direct = true) {
     CheckDevice(t, op);
     if (!OnTpu(t)) return t;
+    if (direct) {
+      if (at::Tensor view = Direct(t, false); view.defined()) return view;
+    }
     at::Tensor host = HostBuffer(t);
     host.copy_(t);
     return host;
@@ -110,13 +199,24 @@ struct Staging {
     CheckDevice(t, op);
     outputs.push_back(t);
     if (!OnTpu(t)) return t;
+    if (write_back) {
+      if (at::Tensor view = Direct(t, true); view.defined()) return view;
+    }
     at::Tensor host = HostBuffer(t);
     if (write_back) copy_back.emplace_back(t, host);
     return host;
   }
-  // Read and written in place (allreduce, broadcast, reduce).
-  at::Tensor InOut(const at::Tensor& t, bool write_back = true) {
-    at::Tensor host = In(t);
+  // Read and written in place (allreduce, broadcast, reduce). direct=false:
+  // a host copy.
+  at::Tensor InOut(const at::Tensor& t, bool write_back = true, bool direct = true) {
+    CheckDevice(t, op);
+    if (direct && OnTpu(t)) {
+      if (at::Tensor view = Direct(t, write_back); view.defined()) {
+        outputs.push_back(t);
+        return view;
+      }
+    }
+    at::Tensor host = In(t, false);
     outputs.push_back(t);
     if (OnTpu(t) && write_back) copy_back.emplace_back(t, host);
     return host;
@@ -171,6 +271,10 @@ bool Premultiplies(const ReduceRewrite& r) { return r.factor.has_value() || r.te
 at::Tensor PremulInPlace(Staging& s, const ReduceRewrite& r, const at::Tensor& dst, at::Tensor host,
                          bool write_back) {
   if (!Premultiplies(r)) return host;
+  if (s.IsDirect(host)) {  // the tpu tensor's own memory: multiplied in place (the result replaces it)
+    if (r.factor) return host.mul_(*r.factor);
+    return host.mul_(r.tensor_factor.to(host.scalar_type()));
+  }
   at::Tensor scaled = PreMultiply(r, host);
   for (auto& [d, h] : s.copy_back) {
     if (h.is_same(host)) h = scaled;
@@ -243,6 +347,14 @@ class StagedWork : public Work {
 
   std::vector<at::Tensor> result() override { return staging_.outputs; }
 
+  // A Work dropped unfinished: gloo may still be using the zero-copy
+  // buffers' memory, which must stay pinned until it is done.
+  ~StagedWork() override {
+    if (staging_.direct.empty()) return;
+    std::lock_guard<std::mutex> lock(finish_mutex_);
+    FinishLocked(::kNoTimeout, /*rethrow=*/false);
+  }
+
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     std::lock_guard<std::mutex> lock(finish_mutex_);
     FinishLocked(::kNoTimeout, /*rethrow=*/false);
@@ -258,6 +370,7 @@ class StagedWork : public Work {
         for (auto& w : host_works_) w->wait(timeout);
         for (auto& step : staging_.after) step();
         for (auto& [dst, host] : staging_.copy_back) dst.copy_(host);
+        staging_.FinishDirect();
       } catch (const std::exception& e) {
         error_ = std::make_exception_ptr(c10::DistBackendError(
             {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
@@ -267,6 +380,7 @@ class StagedWork : public Work {
       done_ = true;
       staging_.pool->Release(std::move(staging_.pooled));
       staging_.pooled.clear();
+      staging_.direct.clear();  // unpins the buffers
       if (error_) {
         future_->setError(error_);
       } else {
@@ -291,9 +405,16 @@ WorkPtr Make(int rank, OpType type, std::vector<WorkPtr> works, Staging staging)
 
 }  // namespace
 
+bool ProcessGroupTPU::zero_copy() const { return pool_->zero_copy; }
+
 ProcessGroupTPU::ProcessGroupTPU(c10::intrusive_ptr<c10d::Backend> host, int rank, int size,
                                  std::chrono::milliseconds timeout)
-    : Backend(rank, size), host_(std::move(host)), timeout_(timeout), pool_(std::make_shared<StagingPool>()) {
+    : Backend(rank, size), host_(std::move(host)), timeout_(timeout) {
+  const char* zero_copy = std::getenv("TORCH_TPU_DIST_ZERO_COPY");
+  const std::string zc = zero_copy ? zero_copy : "";
+  TORCH_CHECK(zc.empty() || zc == "0" || zc == "1", "tpu_dist: TORCH_TPU_DIST_ZERO_COPY must be '0' or '1', got '", zc,
+              "'");
+  pool_ = std::make_shared<StagingPool>(zc != "0");
   TORCH_CHECK(host_, "tpu_dist: the host (gloo) backend is missing");
   TORCH_CHECK(host_->getRank() == rank && host_->getSize() == size, "tpu_dist: the host backend is rank ",
               host_->getRank(), " of ", host_->getSize(), ", this group rank ", rank, " of ", size);
@@ -492,7 +613,7 @@ c10::intrusive_ptr<Work> ProcessGroupTPU::reduce(std::vector<at::Tensor>& tensor
   const bool root = getRank() == static_cast<int>(opts.rootRank);
   std::vector<at::Tensor> host;
   for (auto& t : tensors) {
-    at::Tensor h = s.InOut(t, root);
+    at::Tensor h = s.InOut(t, root, /*direct=*/root);  // a non-root's input may be gloo's scratch
     if (Premultiplies(r)) {
       h = PremulInPlace(s, r, t, h, root);
     } else if (!root && !OnTpu(t)) {

@@ -16,6 +16,10 @@
 // (distributed/xla_transport.h, transport() below); the rest stays
 // host-staged.
 //
+// Zero-copy (zero_copy() below): where the plugin's buffers are host
+// memory, gloo runs on the tpu tensors' buffer memory directly, in place;
+// the staging copies are skipped for those tensors.
+//
 // CPU tensors given to this backend (init_process_group("tpu_dist") maps cpu
 // to it as well, so barrier() and CPU collectives work) go to gloo directly.
 //
@@ -71,6 +75,16 @@ class ProcessGroupTPU : public c10d::Backend {
   // passes or the group has one rank (one process: what the tests run).
   std::string transport() const { return xla_ ? "xla-native" : "host-staged"; }
   bool xla_native_usable() const { return xla_native_usable_; }
+  // Whether host-staged collectives may skip the staging copies: on a
+  // plugin whose buffers are host memory (the XLA CPU plugin:
+  // pjrt::Buffer::PinHostMemory), a contiguous tpu tensor gloo reads, or
+  // writes when its storage is the buffer's sole holder, is handed to gloo
+  // as a CPU tensor over its buffer's own memory (its elements only; the
+  // rest of the storage and the capacity's padding untouched), no
+  // tpu->host or host->tpu copy. Anything else (non-contiguous, conj/neg,
+  // a shared buffer to write, another plugin) is staged. On unless
+  // TORCH_TPU_DIST_ZERO_COPY=0 ('0' or '1'; anything else raises).
+  bool zero_copy() const;
   const c10::intrusive_ptr<c10d::Backend>& host() const { return host_; }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,

@@ -27,7 +27,10 @@ void Bind(py::module& parent) {
       .def_property_readonly("transport", &ProcessGroupTPU::transport, "the transport collectives take: 'host-staged'")
       .def_property_readonly("xla_native_usable", &ProcessGroupTPU::xla_native_usable,
                              "whether the runtime's PJRT client spans processes (the XLA-native transport's "
-                             "capability check); False on the CPU plugin");
+                             "capability check); False on the CPU plugin")
+      .def_property_readonly("zero_copy", &ProcessGroupTPU::zero_copy,
+                             "whether host-staged collectives hand gloo a tpu tensor's own buffer memory where the "
+                             "plugin's buffers are host memory (TORCH_TPU_DIST_ZERO_COPY=0 turns it off)");
 }
 
 }  // namespace torch_tpu::distributed

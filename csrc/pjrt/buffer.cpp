@@ -158,6 +158,33 @@ bool Buffer::FromHostInPlace(const void* src, size_t nbytes) {
   return true;
 }
 
+std::unique_ptr<HostMemory> Buffer::PinHostMemory() const {
+  const Plugin& p = *plugin_;
+  if (!TORCH_TPU_PJRT_HAS(p, PJRT_Buffer_IsOnCpu) ||
+      !TORCH_TPU_PJRT_HAS(p, PJRT_Buffer_OpaqueDeviceMemoryDataPointer) ||
+      !TORCH_TPU_PJRT_HAS(p, PJRT_Buffer_IncreaseExternalReferenceCount) ||
+      !TORCH_TPU_PJRT_HAS(p, PJRT_Buffer_DecreaseExternalReferenceCount)) {
+    return nullptr;
+  }
+  PJRT_Buffer_IsOnCpu_Args on_cpu{};
+  on_cpu.buffer = buffer_;
+  TORCH_TPU_PJRT_CALL(p, PJRT_Buffer_IsOnCpu, on_cpu);
+  if (!on_cpu.is_on_cpu) return nullptr;
+  ReadyEvent()->Await();  // throws the producer's error
+  if (!IsDenseRowMajor(p, buffer_)) return nullptr;
+  const size_t size = on_device_size_in_bytes();
+  void* data = AcquireHostPointer();
+  if (data == nullptr) return nullptr;
+  return std::unique_ptr<HostMemory>(new HostMemory(this, data, size));
+}
+
+HostMemory::~HostMemory() {
+  try {
+    buffer_->ReleaseHostPointer();
+  } catch (...) {  // a destructor does not throw; the reference stays (the buffer is kept, not corrupted)
+  }
+}
+
 void Buffer::ToHost(void* dst, size_t nbytes) const {
   if (nbytes == 0) {
     // Nothing to copy (dst == nullptr would ask the plugin for the size

@@ -99,6 +99,27 @@ struct MemoryStats {
   std::optional<int64_t> bytes_limit;
 };
 
+// A host-memory buffer's bytes (Buffer::PinHostMemory), pinned by an
+// external reference on the buffer (PJRT_Buffer_IncreaseExternalReferenceCount)
+// for as long as this object lives; the Buffer must outlive it. data() is
+// the buffer's first byte (dense row-major), size() its on-device size in
+// bytes (a storage's capacity, padding included).
+class HostMemory {
+ public:
+  ~HostMemory();
+  HostMemory(const HostMemory&) = delete;
+  HostMemory& operator=(const HostMemory&) = delete;
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  friend class Buffer;
+  HostMemory(const Buffer* buffer, void* data, size_t size) : buffer_(buffer), data_(data), size_(size) {}
+  const Buffer* buffer_;
+  void* data_;
+  size_t size_;
+};
+
 // Owns a PJRT_Buffer (destroyed in the destructor).
 class Buffer {
  public:
@@ -130,6 +151,15 @@ class Buffer {
   // otherwise immutable: the caller guarantees that nothing else holds or
   // reads this one (no other owner, no in-flight execution).
   bool FromHostInPlace(const void* src, size_t nbytes);
+  // The buffer's memory, where the plugin's buffers are host memory
+  // (PJRT_Buffer_IsOnCpu and PJRT_Buffer_OpaqueDeviceMemoryDataPointer: the
+  // XLA CPU plugin), pinned for the returned object's life; nullptr where
+  // the plugin cannot give it, or the buffer is not dense row-major. Blocks
+  // until the buffer's data is ready; throws Error if the computation
+  // producing it failed. Reading it is safe once ready; writing it breaks
+  // PJRT's immutability: the caller guarantees that nothing else holds or
+  // reads the buffer meanwhile (no other owner, no in-flight execution).
+  std::unique_ptr<HostMemory> PinHostMemory() const;
   // Event that becomes ready when the buffer's data is ready (or failed).
   std::unique_ptr<Event> ReadyEvent() const;
 
@@ -139,6 +169,7 @@ class Buffer {
   // ReleaseHostPointer; nullptr where the plugin cannot give it.
   void* AcquireHostPointer() const;
   void ReleaseHostPointer() const;
+  friend class HostMemory;
   std::shared_ptr<Plugin> plugin_;
   PJRT_Buffer* buffer_;
 };

@@ -9,7 +9,7 @@ computes on the same host values; AVG and PREMUL_SUM, which gloo lacks, are
 compared with gloo's SUM divided / pre-multiplied on CPU).
 
 Tiers: the default run (about 2 minutes on 2 cores) checks the collectives
-in strict mode, a 1-D DeviceMesh, failures, DDP (strict and fused), FSDP2
+in strict mode, the zero-copy path's cases, a 1-D DeviceMesh, failures, DDP (strict and fused), FSDP2
 (fp32 and bf16/f32 mixed precision) and functional collectives in a
 torch.compile graph;
 TORCH_TPU_DIST_FULL=1 adds the collectives in fused mode, a 4-rank 2-D
@@ -814,3 +814,246 @@ def test_compiled_functional_collectives(tmp_path):
     for res in results:
         assert torch.equal(torch.tensor(res["eager"]), expect), (res["eager"], expect)
 
+
+
+# --------------------------------------------------------------------------
+# zero-copy: gloo on the tpu tensors' own buffer memory (the CPU plugin's
+# buffers are host memory), against gloo on CPU tensors of the same values
+
+
+def _zero_copy_worker(rank, world, args):
+    import torch.distributed as dist
+
+    import torch_tpu
+
+    torch.tpu.set_device(rank)
+    cpu_group = dist.new_group(backend="gloo")
+    report = {"zero_copy": dist.group.WORLD._get_backend(torch.device("tpu")).zero_copy}
+    seed = 100 + rank
+
+    def transfers(fn):
+        """fn() -> result; returns (result, tpu<->host bytes moved while it ran)."""
+        torch.tpu.synchronize()
+        m0 = torch_tpu.metrics()
+        out = fn()
+        torch.tpu.synchronize()
+        m1 = torch_tpu.metrics()
+        return out, sum(m1[k] - m0[k] for k in ("host_to_device_bytes", "device_to_host_bytes"))
+
+    def check(name, got, want, moved=None, zero=True):
+        try:
+            for g, w in zip(got, want, strict=True):
+                assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, w.dtype, g.shape, w.shape)
+                assert torch.equal(g, w), f"tpu {g.flatten()[:6].tolist()} vs gloo {w.flatten()[:6].tolist()}"
+            if moved is not None:
+                assert (moved == 0) == zero, f"{moved} bytes moved between tpu and host (zero-copy expected: {zero})"
+            report[name] = "ok"
+        except Exception as e:  # noqa: BLE001 - one entry per case
+            report[name] = f"{type(e).__name__}: {e}"
+
+    x = torch.randint(-1000, 1000, (1000,), generator=torch.Generator().manual_seed(seed))
+    xf = torch.randn(4096, generator=torch.Generator().manual_seed(seed))
+
+    # all_reduce of a whole tensor, in place: no copies; the tensor keeps its storage
+    t = x.to("tpu")
+    ptr = t.data_ptr()
+    _, moved = transfers(lambda: dist.all_reduce(t))
+    c = x.clone()
+    dist.all_reduce(c, group=cpu_group)
+    check("all_reduce", [t.cpu()], [c], moved)
+    report["same_storage"] = t.data_ptr() == ptr
+    # AVG and PREMUL_SUM (host-side steps on the buffer's memory)
+    t, c = xf.to("tpu"), xf.clone()
+    _, moved = transfers(lambda: dist.all_reduce(t, op=dist.ReduceOp.AVG))
+    dist.all_reduce(c, group=cpu_group)
+    check("all_reduce_avg", [t.cpu()], [c.div_(world)], moved)
+    t, c = xf.to("tpu"), xf * 0.5
+    _, moved = transfers(lambda: dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5)))
+    dist.all_reduce(c, group=cpu_group)
+    check("all_reduce_premul", [t.cpu()], [c], moved)
+
+    # a view into a larger storage: only its elements change
+    base_c = x.clone()
+    base = base_c.to("tpu")
+    v = base[100:357]
+    _, moved = transfers(lambda: dist.all_reduce(v, op=dist.ReduceOp.MAX))
+    dist.all_reduce(base_c[100:357], op=dist.ReduceOp.MAX, group=cpu_group)
+    check("view_in_larger_storage", [base.cpu()], [base_c], moved)
+
+    # storages with capacity beyond numel (17 elements: the buffer holds more);
+    # an op reading the whole tensor afterwards sees the reduced values
+    for n in (17, 1001):
+        c = x[:n].clone()
+        t = c.to("tpu")
+        _, moved = transfers(lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
+        dist.all_reduce(c, op=dist.ReduceOp.MIN, group=cpu_group)
+        check(f"capacity_{n}", [t.cpu(), (t * 3 + 1).cpu(), t.flip(0).cpu()], [c, c * 3 + 1, c.flip(0)], moved)
+
+    # an element read before (the host copy of the storage) is not stale after
+    c = x.clone()
+    t = c.to("tpu")
+    first = t[0].item()
+    dist.all_reduce(t)
+    dist.all_reduce(c, group=cpu_group)
+    check("element_read_after", [torch.tensor([first, t[0].item(), t[1].item()])], [torch.tensor([x[0].item(), c[0].item(), c[1].item()])])
+
+    # a storage sharing its buffer with another storage (a whole-storage
+    # copy_ takes the source's buffer): staged, the other one unchanged
+    c = x.clone()
+    t = c.to("tpu")
+    u = torch.empty_like(t)
+    u.copy_(t)
+    _, moved = transfers(lambda: dist.all_reduce(t))
+    dist.all_reduce(c, group=cpu_group)
+    check("shared_buffer_staged", [t.cpu(), u.cpu()], [c, x], moved, zero=False)
+
+    # non-contiguous: staged
+    c = x[:600].reshape(20, 30).clone()
+    t = c.to("tpu")
+    _, moved = transfers(lambda: dist.all_reduce(t[:, ::3]))
+    part = c[:, ::3].contiguous()  # (gloo itself mishandles a strided CPU tensor: it is given a dense one)
+    dist.all_reduce(part, group=cpu_group)
+    c[:, ::3] = part
+    check("non_contiguous_staged", [t.cpu()], [c], moved, zero=False)
+
+    # a program launched before the collective still reads the tensor: the
+    # collective writes it only after that program is done
+    a = torch.randn(768, 768, generator=torch.Generator().manual_seed(seed))
+    t = a.to("tpu")
+    torch.tpu.synchronize()
+    m0 = torch_tpu.metrics()
+    y = t @ t  # launched, in flight (no synchronize before the all_reduce)
+    dist.all_reduce(t)
+    torch.tpu.synchronize()
+    m1 = torch_tpu.metrics()
+    moved = sum(m1[k] - m0[k] for k in ("host_to_device_bytes", "device_to_host_bytes"))
+    c = a.clone()
+    dist.all_reduce(c, group=cpu_group)
+    try:
+        torch.testing.assert_close(y.cpu(), a @ a, rtol=1e-4, atol=1e-3)  # the values from before the all_reduce
+        check("pending_reader", [t.cpu()], [c], moved)
+    except AssertionError as e:
+        report["pending_reader"] = f"AssertionError: {e}"
+
+    # fused mode: the recorded region computing the tensor runs first
+    torch_tpu.set_eager_mode("fused")
+    try:
+        c = x.clone()
+        t = c.to("tpu")
+        torch.tpu.synchronize()
+        t.mul_(3).add_(1)  # recorded, not run
+        w = t * 2           # recorded, reads t's value from before the collective
+        m0 = torch_tpu.metrics()
+        dist.all_reduce(t)
+        m1 = torch_tpu.metrics()
+        report["fused_moved"] = sum(m1[k] - m0[k] for k in ("host_to_device_bytes", "device_to_host_bytes"))
+        c.mul_(3).add_(1)
+        w_c = c * 2
+        dist.all_reduce(c, group=cpu_group)
+        check("fused_pending_region", [t.cpu(), w.cpu(), (t + 1).cpu()], [c, w_c, c + 1])
+    finally:
+        torch.tpu.synchronize()
+        torch_tpu.set_eager_mode("strict")
+
+    # broadcast: root reads its buffer, the others are written
+    c = x.clone()
+    t = c.to("tpu")
+    _, moved = transfers(lambda: dist.broadcast(t, src=1))
+    dist.broadcast(c, src=1, group=cpu_group)
+    check("broadcast", [t.cpu()], [c], moved)
+
+    # all_gather_into_tensor: the output written in place; also FSDP's form,
+    # the input a view of the output
+    c_out = torch.zeros(world * 1000, dtype=torch.int64)
+    out = c_out.to("tpu")
+    inp = x.to("tpu")
+    _, moved = transfers(lambda: dist.all_gather_into_tensor(out, inp))
+    dist.all_gather_into_tensor(c_out, x, group=cpu_group)
+    check("all_gather_into_tensor", [out.cpu(), inp.cpu()], [c_out, x], moved)
+    c_out = torch.zeros(world * 1000, dtype=torch.int64)
+    c_out[rank * 1000:(rank + 1) * 1000] = x
+    out = c_out.to("tpu")
+    _, moved = transfers(lambda: dist.all_gather_into_tensor(out, out[rank * 1000:(rank + 1) * 1000]))
+    c_ref = c_out.clone()
+    dist.all_gather_into_tensor(c_ref, c_out[rank * 1000:(rank + 1) * 1000].clone(), group=cpu_group)
+    check("all_gather_into_tensor_in_place", [out.cpu()], [c_ref], moved)
+
+    # reduce_scatter_tensor: the input unchanged, the output written
+    c_in = torch.randint(-1000, 1000, (world * 500,), generator=torch.Generator().manual_seed(seed + 1))
+    inp = c_in.to("tpu")
+    out = torch.zeros(500, dtype=torch.int64, device="tpu")
+    _, moved = transfers(lambda: dist.reduce_scatter_tensor(out, inp))
+    c_out = torch.zeros(500, dtype=torch.int64)
+    dist.reduce_scatter_tensor(c_out, c_in.clone(), group=cpu_group)
+    check("reduce_scatter_tensor", [out.cpu(), inp.cpu()], [c_out, c_in], moved)
+
+    # the coalesced variants DDP and FSDP call (inputs and outputs uploaded
+    # before: the collective moves nothing, the results' .cpu() their bytes)
+    def coalesced(d, g, kind):
+        ins = [x[:300].to(d), x[300:].to(d)]
+        if kind == "all_reduce":
+            return ins, []
+        sizes = (world * 300, world * 700) if kind == "all_gather" else (150, 350)
+        return ins, [torch.full((n,), -1, dtype=torch.int64).to(d) for n in sizes]
+
+    def run_coalesced(g, kind, ins, outs):
+        with dist._coalescing_manager(group=g, async_ops=True) as cm:
+            for i, t in enumerate(ins):
+                if kind == "all_reduce":
+                    dist.all_reduce(t, group=g)
+                elif kind == "all_gather":
+                    dist.all_gather_into_tensor(outs[i], t, group=g)
+                else:
+                    dist.reduce_scatter_tensor(outs[i], t, group=g)
+        cm.wait()
+        return [t.cpu() for t in outs + ins]
+
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        ins, outs = coalesced("tpu", None, kind)
+        got, moved = transfers(lambda: run_coalesced(None, kind, ins, outs))
+        want = run_coalesced(cpu_group, kind, *coalesced("cpu", cpu_group, kind))
+        check(f"coalesced_{kind}", got, want)
+        nbytes = sum(t.nbytes for t in got)
+        if report[f"coalesced_{kind}"] == "ok" and moved != nbytes:
+            report[f"coalesced_{kind}"] = f"{moved} bytes moved, expected {nbytes} (the results' download)"
+    dist.barrier()
+    # TORCH_TPU_DIST_ZERO_COPY: '0' makes a staged group, anything but '0'/'1' raises
+    os.environ["TORCH_TPU_DIST_ZERO_COPY"] = "0"
+    report["staged_group"] = dist.new_group(backend="tpu_dist")._get_backend(torch.device("tpu")).zero_copy
+    os.environ["TORCH_TPU_DIST_ZERO_COPY"] = "yes"
+    try:
+        dist.new_group(backend="tpu_dist")
+        report["bad_env"] = "no error"
+    except RuntimeError as e:
+        report["bad_env"] = str(e).splitlines()[0]
+    finally:
+        del os.environ["TORCH_TPU_DIST_ZERO_COPY"]
+    return {"report": report}
+
+
+ZERO_COPY_CASES = ("all_reduce", "all_reduce_avg", "all_reduce_premul", "view_in_larger_storage", "capacity_17",
+                   "capacity_1001", "element_read_after", "shared_buffer_staged", "non_contiguous_staged",
+                   "pending_reader", "fused_pending_region", "broadcast", "all_gather_into_tensor",
+                   "all_gather_into_tensor_in_place", "reduce_scatter_tensor", "coalesced_all_reduce",
+                   "coalesced_all_gather", "coalesced_reduce_scatter")
+
+
+@pytest.fixture(scope="module")
+def zero_copy_reports(tmp_path_factory):
+    return [r["report"] for r in run_job(tmp_path_factory.mktemp("zero-copy"), _zero_copy_worker)]
+
+
+@pytest.mark.parametrize("case", ZERO_COPY_CASES)
+def test_zero_copy_matches_gloo(zero_copy_reports, case):
+    for rank, report in enumerate(zero_copy_reports):
+        assert report[case] == "ok", f"rank {rank}: {case}: {report[case]}"
+
+
+def test_zero_copy_keeps_storage(zero_copy_reports):
+    assert all(r["zero_copy"] and r["same_storage"] for r in zero_copy_reports), zero_copy_reports
+
+
+def test_zero_copy_setting(zero_copy_reports):
+    for r in zero_copy_reports:
+        assert r["staged_group"] is False
+        assert "tpu_dist: TORCH_TPU_DIST_ZERO_COPY must be '0' or '1', got 'yes'" in r["bad_env"], r["bad_env"]
