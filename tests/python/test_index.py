@@ -558,15 +558,17 @@ def test_index_ops_fused_mode():
         run_native(lambda a: torch.segment_reduce(a.t(), "mean", lengths=idx(2, 1).to(a.device)), x)
 
 
-def test_index_fill_cpu_index_rejected_as_on_cuda():
-    """index_fill_ with a 1-D CPU index on a device tensor: PyTorch builds a
-    TensorIterator over self and the (restrided) index without
-    allow_cpu_scalars, so CUDA raises "Expected all tensors to be on the
-    same device"; tpu does the same (index/index_put, which accept CPU
-    indices on CUDA, move them). A tpu index computes as CPU does."""
+def test_index_fill_cpu_index_accepted_as_on_cpu():
+    """index_fill_ with a 1-D CPU index on a device tensor: CPU's kernel
+    accepts it (CUDA's raises "Expected all tensors to be on the same
+    device": its TensorIterator lacks allow_cpu_scalars); tpu moves the index
+    to the device (aten/fallback.cpp MoveCpuIndicesToDevice) and computes
+    CPU's values, as PyTorch's test_stable_sort_against_numpy expects of a
+    non-CUDA device. A tpu index computes the same."""
     x = torch.arange(12.0).reshape(3, 4)
     idx = torch.tensor([0, 2])
-    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
-        x.to("tpu").index_fill(1, idx, -1.0)
-    got = x.to("tpu").index_fill(1, idx.to("tpu"), -1.0)
-    torch.testing.assert_close(got.cpu(), x.index_fill(1, idx, -1.0), rtol=0, atol=0)
+    with no_cpu_fallback():
+        got_cpu_index = x.to("tpu").index_fill(1, idx, -1.0)
+        got = x.to("tpu").index_fill(1, idx.to("tpu"), -1.0)
+        torch.testing.assert_close(got_cpu_index.cpu(), x.index_fill(1, idx, -1.0), rtol=0, atol=0)
+        torch.testing.assert_close(got.cpu(), x.index_fill(1, idx, -1.0), rtol=0, atol=0)
