@@ -191,6 +191,53 @@ void ExpandMaskIndices(const c10::OperatorHandle& op, torch::jit::Stack* stack) 
 
 bool IsWrittenArg(const c10::Argument& a) { return a.alias_info() != nullptr && a.alias_info()->isWrite(); }
 
+// `x[mask] = v` with one bool mask over x's leading dims and a one-element
+// value of x's dtype (index_put_ / _index_put_impl_ / index_put, accumulate
+// false) is masked_fill(mask, v), with the mask viewed with trailing size-1
+// dims: the same elements get the same value as CPU's index_put_, without
+// the count of true elements (one sync) and a program per count (ExpandMask
+// Indices). Anything else (several indices, a mask of another shape: the
+// general path raises CPU's error; values of another dtype or more
+// elements; accumulate; out=) is left to the general path. Returns true
+// when the call was served (its result on the stack).
+bool ServeMaskAssignAsMaskedFill(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  std::optional<size_t> self_pos, indices_pos, values_pos;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& n = args[i].name();
+    if (args[i].is_out()) return false;
+    if (n == "self") self_pos = first + i;
+    else if (n == "indices") indices_pos = first + i;
+    else if (n == "values") values_pos = first + i;
+    else if (n == "accumulate" && (*stack)[first + i].isBool() && (*stack)[first + i].toBool()) return false;
+  }
+  if (!self_pos || !indices_pos || !values_pos || !(*stack)[*indices_pos].isList() ||
+      !(*stack)[*self_pos].isTensor() || !(*stack)[*values_pos].isTensor())
+    return false;
+  const auto& list = (*stack)[*indices_pos].toListRef();
+  if (list.size() != 1 || !list[0].isTensor()) return false;
+  const at::Tensor mask = list[0].toTensor();
+  const at::Tensor self = (*stack)[*self_pos].toTensor();
+  const at::Tensor values = (*stack)[*values_pos].toTensor();
+  if (!mask.defined() || mask.scalar_type() != at::kBool || mask.dim() == 0 || mask.dim() > self.dim() ||
+      !self.defined() || self.device().type() != kTpu || !values.defined() || values.numel() != 1 ||
+      values.dim() > 1 || values.scalar_type() != self.scalar_type() ||
+      (values.device().type() != kTpu && !(values.is_cpu() && values.dim() == 0)))
+    return false;
+  for (int64_t j = 0; j < mask.dim(); ++j)
+    if (mask.size(j) != self.size(j)) return false;
+  std::vector<int64_t> shape = mask.sizes().vec();
+  shape.resize(static_cast<size_t>(self.dim()), 1);
+  const at::Tensor m = mask.to(self.device()).view(shape);
+  const at::Tensor v = values.reshape({});
+  const bool in_place = IsWrittenArg(args[*self_pos - first]);
+  at::Tensor result = in_place ? self.masked_fill_(m, v) : self.masked_fill(m, v);
+  torch::jit::drop(*stack, args.size());
+  stack->push_back(in_place ? self : result);
+  return true;
+}
+
 bool HasMathBits(const at::Tensor& t) { return t.defined() && (t.is_conj() || t.is_neg()); }
 
 // Calls `fn` on every tensor of argument value `v` (a tensor, or an item of
@@ -600,6 +647,9 @@ void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (WritesOverlappingTensor(op, *stack) || WritesPartlyOverlappingArgument(op, *stack))
     return RunOnCpuMirror(op, stack);
   if (entry) {
+    static const lowering::LoweringEntry* const index_put = lowering::FindLowering("index_put");
+    static const lowering::LoweringEntry* const index_put_impl = lowering::FindLowering("_index_put_impl");
+    if ((entry == index_put || entry == index_put_impl) && ServeMaskAssignAsMaskedFill(op, stack)) return;
     MoveCpuIndicesToDevice(op, stack, *entry);
     ExpandMaskIndices(op, stack);
   }
