@@ -692,6 +692,23 @@ def error_section(outcomes: dict, meta: dict) -> list[str]:
       "`error_inputs_sparse` is not run: sparse layouts are not supported on tpu "
       "(OpInfos with sparse error inputs: `mul`, `sum`, `zeros_like`, `randn_like`).")
     w("")
+    w("Errors that need device values (beyond the ErrorInputs; tests/python/test_errors.py checks each in "
+      "strict, debug and fused mode against CPU's exception type and message) are value checks "
+      "(`LoweringContext::check`: a 0-d pred computed in the op's program): strict and fused mode raise them "
+      "at the next sync point naming the op, debug mode at the op; strict mode's host-first first call of a "
+      "signature runs CPU's kernel, which raises CPU's own message. Checked so: integer `pow` with a "
+      "negative Scalar exponent; integer `floor_divide`, `remainder`, `fmod` and `div(rounding_mode=...)` by "
+      "zero (\"ZeroDivisionError\"); `bernoulli` with a tensor p outside [0, 1] or NaN; `multinomial`'s "
+      "weights; `binary_cross_entropy`'s inputs; `max_unpool` indices; `nll_loss`/`cross_entropy` targets "
+      "(IndexError); the index ranges of index_*/gather/scatter*/index/index_put/embedding (the message "
+      "names the dimension and size, not the index). Checked before the call, on the host: a float p of "
+      "`bernoulli`, index dtypes of index_fill/index_copy/index_add/index_reduce/index_select, out= dtypes "
+      "and `alpha` kinds of TensorIterator ops, `random_` bounds. Partial overlaps of views of one storage, "
+      "dense or not, run on a CPU mirror (CPU's error or CPU's element-order result). Not checked, no "
+      "cheap check being available: `histc` with a non-finite range, `segment_reduce`'s unsafe=False "
+      "checks, the out= dtype exactness of `aminmax`/`multinomial` and the out= overlaps of `cat` (after "
+      "resizing) and `kthvalue` (below); torch.compile graphs evaluate no value checks.")
+    w("")
     by_mode = collections.defaultdict(collections.Counter)
     via_fallback = collections.Counter()
     fails = []

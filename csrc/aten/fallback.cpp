@@ -23,7 +23,9 @@
 #include <ATen/native/Resize.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <numeric>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -84,12 +86,33 @@ void RunOnCpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std
   at::native::cpu_fallback(op, stack);
 }
 
-// Index lists (Tensor?[]) may hold CPU tensors, as on CUDA: move them.
-void MoveCpuIndicesToDevice(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+// Index lists (Tensor?[]) may hold CPU tensors, as on CUDA: move them. So
+// may the index tensor an entry checks (IndexCheck::index: index_fill,
+// index_select, gather, ...), as CPU's kernels accept it (CUDA's refuse a CPU
+// index for some of them): the call then computes CPU's values.
+void MoveCpuIndicesToDevice(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                            const lowering::LoweringEntry& entry) {
   const auto& args = op.schema().arguments();
   const size_t first = stack->size() - args.size();
   for (size_t i = 0; i < args.size(); ++i) {
     c10::IValue& v = (*stack)[first + i];
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (!t.defined() || !t.is_cpu()) continue;
+      for (const auto& check : entry.traits.index_checks) {
+        if (args[i].name() != check.index) continue;
+        c10::Device device(kTpu, CurrentDevice());
+        for (size_t j = first; j < stack->size(); ++j)
+          if ((*stack)[j].isTensor() && (*stack)[j].toTensor().defined() &&
+              (*stack)[j].toTensor().device().type() == kTpu) {
+            device = (*stack)[j].toTensor().device();
+            break;
+          }
+        v = t.to(device);
+        break;
+      }
+      continue;
+    }
     if (!v.isList() || v.isTensorList() || v.isIntList() || v.isDoubleList() || v.isBoolList()) continue;
     const auto& list = v.toListRef();
     bool has_cpu = false;
@@ -167,6 +190,53 @@ void ExpandMaskIndices(const c10::OperatorHandle& op, torch::jit::Stack* stack) 
 }
 
 bool IsWrittenArg(const c10::Argument& a) { return a.alias_info() != nullptr && a.alias_info()->isWrite(); }
+
+// `x[mask] = v` with one bool mask over x's leading dims and a one-element
+// value of x's dtype (index_put_ / _index_put_impl_ / index_put, accumulate
+// false) is masked_fill(mask, v), with the mask viewed with trailing size-1
+// dims: the same elements get the same value as CPU's index_put_, without
+// the count of true elements (one sync) and a program per count (ExpandMask
+// Indices). Anything else (several indices, a mask of another shape: the
+// general path raises CPU's error; values of another dtype or more
+// elements; accumulate; out=) is left to the general path. Returns true
+// when the call was served (its result on the stack).
+bool ServeMaskAssignAsMaskedFill(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  std::optional<size_t> self_pos, indices_pos, values_pos;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& n = args[i].name();
+    if (args[i].is_out()) return false;
+    if (n == "self") self_pos = first + i;
+    else if (n == "indices") indices_pos = first + i;
+    else if (n == "values") values_pos = first + i;
+    else if (n == "accumulate" && (*stack)[first + i].isBool() && (*stack)[first + i].toBool()) return false;
+  }
+  if (!self_pos || !indices_pos || !values_pos || !(*stack)[*indices_pos].isList() ||
+      !(*stack)[*self_pos].isTensor() || !(*stack)[*values_pos].isTensor())
+    return false;
+  const auto& list = (*stack)[*indices_pos].toListRef();
+  if (list.size() != 1 || !list[0].isTensor()) return false;
+  const at::Tensor mask = list[0].toTensor();
+  const at::Tensor self = (*stack)[*self_pos].toTensor();
+  const at::Tensor values = (*stack)[*values_pos].toTensor();
+  if (!mask.defined() || mask.scalar_type() != at::kBool || mask.dim() == 0 || mask.dim() > self.dim() ||
+      !self.defined() || self.device().type() != kTpu || !values.defined() || values.numel() != 1 ||
+      values.dim() > 1 || values.scalar_type() != self.scalar_type() ||
+      (values.device().type() != kTpu && !(values.is_cpu() && values.dim() == 0)))
+    return false;
+  for (int64_t j = 0; j < mask.dim(); ++j)
+    if (mask.size(j) != self.size(j)) return false;
+  std::vector<int64_t> shape = mask.sizes().vec();
+  shape.resize(static_cast<size_t>(self.dim()), 1);
+  const at::Tensor m = mask.to(self.device()).view(shape);
+  const at::Tensor v = values.reshape({});
+  const bool in_place = IsWrittenArg(args[*self_pos - first]);
+  at::Tensor result = in_place ? self.masked_fill_(m, v) : self.masked_fill(m, v);
+  torch::jit::drop(*stack, args.size());
+  stack->push_back(in_place ? self : result);
+  return true;
+}
 
 bool HasMathBits(const at::Tensor& t) { return t.defined() && (t.is_conj() || t.is_neg()); }
 
@@ -272,17 +342,78 @@ bool WritesOverlappingTensor(const c10::OperatorHandle& op, const torch::jit::St
   return base != "fill" && base != "zero";
 }
 
+// Whether two strided views of one storage (same element size) share an
+// element, exactly: disjoint byte ranges, or offsets that differ modulo the
+// gcd of all strides (a[::2] and a[1::2], the columns of a matrix), share
+// none; otherwise both views' element offsets are listed, sorted and merged
+// when they hold at most kMaxListed elements together; larger views are
+// assumed to share one (the caller then runs the call on the CPU mirror,
+// which is exact either way, only slower).
+bool ViewsShareAnElement(const at::Tensor& a, const at::Tensor& b) {
+  constexpr int64_t kMaxListed = int64_t{1} << 18;
+  auto span = [](const at::Tensor& t) {
+    int64_t lo = t.storage_offset(), hi = t.storage_offset();
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t extent = t.stride(d) * (t.size(d) - 1);
+      (extent < 0 ? lo : hi) += extent;
+    }
+    return std::pair<int64_t, int64_t>{lo, hi};
+  };
+  const auto [alo, ahi] = span(a);
+  const auto [blo, bhi] = span(b);
+  if (ahi < blo || bhi < alo) return false;
+  int64_t g = 0;
+  for (const at::Tensor* t : {&a, &b})
+    for (int64_t d = 0; d < t->dim(); ++d)
+      if (t->size(d) > 1) g = std::gcd(g, std::abs(t->stride(d)));
+  if (g > 1 && (a.storage_offset() - b.storage_offset()) % g != 0) return false;
+  if (a.numel() + b.numel() > kMaxListed) return true;
+  auto offsets = [](const at::Tensor& t) {
+    std::vector<int64_t> out{t.storage_offset()};
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const size_t n = out.size();
+      for (int64_t i = 1; i < t.size(d); ++i)
+        for (size_t j = 0; j < n; ++j) out.push_back(out[j] + i * t.stride(d));
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  const std::vector<int64_t> ao = offsets(a), bo = offsets(b);
+  for (size_t i = 0, j = 0; i < ao.size() && j < bo.size();) {
+    if (ao[i] == bo[j]) return true;
+    (ao[i] < bo[j]) ? ++i : ++j;
+  }
+  return false;
+}
+
+// True if `w` and `t` (non-empty views of one storage, not the same tensor)
+// share elements in different layouts: at::get_overlap_status Partial, or
+// TooHard (a non-dense view) with an element in common (ViewsShareAnElement)
+// and not the same offset, sizes and strides.
+bool PartlyOverlapping(const at::Tensor& w, const at::Tensor& t) {
+  const at::MemOverlapStatus status = at::get_overlap_status(w, t);
+  if (status == at::MemOverlapStatus::Partial) return true;
+  if (status != at::MemOverlapStatus::TooHard) return false;
+  if (w.itemsize() != t.itemsize()) return true;  // one storage viewed as two dtypes: CPU decides
+  if (w.storage_offset() == t.storage_offset() && w.sizes() == t.sizes() && w.strides() == t.strides())
+    return false;
+  return ViewsShareAnElement(w, t);
+}
+
 // True if a written tpu tensor partly overlaps another tpu tensor argument of
-// the call (at::get_overlap_status Partial: both dense; TooHard cases, e.g.
-// column views, keep running natively as before), as
-// `a[1:].add_(a[:-1])`: CPU's kernels raise ("unsupported operation: some
+// the call, as `a[1:].add_(a[:-1])` (at::get_overlap_status Partial) or
+// `a.view(2, 5)[:, 1:].mul_(a.view(2, 5)[:, :-1])` (TooHard: a non-dense view
+// whose elements meet the other's, found exactly by ViewsShareAnElement, with
+// a different layout): CPU's kernels raise ("unsupported operation: some
 // elements of the input tensor and the written-to tensor refer to a single
-// memory location") or define the result by their own element order; the
-// meta kernels cannot tell (meta storages have no addresses, so every view
-// of one looks like a full overlap), so such a call runs on the CPU mirror,
-// which keeps the sharing. A tpu storage's data pointer is a unique address
-// (its DeviceStorage), so offsets compare as on CPU. Full overlaps (`a.add_(a)`)
-// run natively.
+// memory location") or define the result by their own element order (the
+// TooHard case: CPU's loop reads elements it wrote earlier); the meta kernels
+// cannot tell (meta storages have no addresses, so every view of one looks
+// like a full overlap), so such a call runs on the CPU mirror, which keeps
+// the sharing and gives CPU's result or error. A tpu storage's data pointer
+// is a unique address (its DeviceStorage), so offsets compare as on CPU.
+// Full overlaps (`a.add_(a)`, or two views of one layout) and views sharing
+// no element run natively.
 bool WritesPartlyOverlappingArgument(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
   // Per call on the dispatch path: functional calls (no written argument)
   // only scan the schema; nothing is copied.
@@ -299,7 +430,7 @@ bool WritesPartlyOverlappingArgument(const c10::OperatorHandle& op, const torch:
       for (size_t j = 0; j < args.size() && !partial; ++j)
         ForEachTensor(stack[first + j], [&](const at::Tensor& t) {
           if (partial || t.is_same(w) || !candidate(t) || !t.storage().is_alias_of(w.storage())) return;
-          partial = at::get_overlap_status(w, t) == at::MemOverlapStatus::Partial;
+          partial = PartlyOverlapping(w, t);
         });
     });
   }
@@ -435,7 +566,13 @@ bool WritesSharedStorage(const c10::OperatorHandle& op, const torch::jit::Stack&
 //   built with check_all_same_dtype (trait out_same_dtype; TensorIterator's
 //   "Found dtype <out> but expected <self>");
 // - `alpha` of the wrong kind for the result dtype (add/sub/rsub:
-//   ATen's alpha_check over result_type(self, other)).
+//   ATen's alpha_check over result_type(self, other));
+// - an index tensor of a dtype CPU's index_* kernels refuse
+//   (CheckIndexDtypeLikeCpu);
+// - a float `p` outside [0, 1] for bernoulli (CPU's bernoulli_ check; a
+//   tensor p is checked on its values by the lowering, lowering/random.cpp).
+void CheckIndexDtypeLikeCpu(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t index_pos);
+
 void CheckArgumentsLikeCpu(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
                            const lowering::LoweringEntry& entry) {
   const auto& args = op.schema().arguments();
@@ -445,6 +582,13 @@ void CheckArgumentsLikeCpu(const c10::OperatorHandle& op, const torch::jit::Stac
     if (args[i].name() == "self") self = i;
     else if (args[i].name() == "other") other = i;
     else if (args[i].name() == "alpha") alpha = i;
+    else if (args[i].name() == "index" && !entry.traits.index_checks.empty() && stack[first + i].isTensor())
+      CheckIndexDtypeLikeCpu(op, stack, first + i);
+    else if (args[i].name() == "p" && stack[first + i].isDouble()) {
+      const double p = stack[first + i].toDouble();
+      if (!(p >= 0 && p <= 1) && runtime::BaseName(op.schema()) == "bernoulli")
+        TORCH_CHECK(false, "bernoulli_ expects p to be in [0, 1], but got p=", p);
+    }
   }
   if (entry.traits.out_same_dtype && self && stack[first + *self].isTensor()) {
     const at::Tensor& s = stack[first + *self].toTensor();
@@ -476,6 +620,26 @@ void CheckArgumentsLikeCpu(const c10::OperatorHandle& op, const torch::jit::Stac
   }
 }
 
+// The dtypes CPU's index_* kernels accept for their `index` tensor, and
+// their errors (aten/src/ATen/native/TensorAdvancedIndexing.cpp, Indexing.cpp),
+// raised before the call: the meta kernels accept any dtype, and the
+// lowerings would read a float index as positions. gather/scatter run on the
+// CPU for a non-integer index (their lowerings refuse it), which raises there.
+void CheckIndexDtypeLikeCpu(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t index_pos) {
+  const at::Tensor& index = stack[index_pos].toTensor();
+  if (!index.defined()) return;
+  const at::ScalarType t = index.scalar_type();
+  if (t == at::kLong) return;
+  const std::string base = runtime::BaseName(op.schema());
+  if (base == "index_fill") TORCH_CHECK_INDEX(false, "index_fill_(): Expected dtype int64 for index.");
+  if (base == "index_copy")
+    TORCH_CHECK(false, "index_copy_(): Expected a long tensor for index, but got ", t);
+  if (t == at::kInt) return;
+  if (base == "index_add" || base == "index_reduce")
+    TORCH_CHECK(false, base, "_(): Expected dtype int32/int64 for index but got: ", t);
+  if (base == "index_select") TORCH_CHECK(false, "index_select(): Expected dtype int32 or int64 for index");
+}
+
 void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const lowering::LoweringEntry* entry = EntryFor(op);
   if (entry) CheckArgumentsLikeCpu(op, *stack, *entry);
@@ -483,7 +647,10 @@ void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (WritesOverlappingTensor(op, *stack) || WritesPartlyOverlappingArgument(op, *stack))
     return RunOnCpuMirror(op, stack);
   if (entry) {
-    MoveCpuIndicesToDevice(op, stack);
+    static const lowering::LoweringEntry* const index_put = lowering::FindLowering("index_put");
+    static const lowering::LoweringEntry* const index_put_impl = lowering::FindLowering("_index_put_impl");
+    if ((entry == index_put || entry == index_put_impl) && ServeMaskAssignAsMaskedFill(op, stack)) return;
+    MoveCpuIndicesToDevice(op, stack, *entry);
     ExpandMaskIndices(op, stack);
   }
   if (!entry) return RunOnCpu(op, stack, "no lowering");
@@ -613,6 +780,22 @@ void RegisterLoweredOpsDirectly() {
     if (!name.overload_name.empty()) qualified += "." + name.overload_name;
     library->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&TpuBoxedKernel>());
   }
+}
+
+// kernels.cpp's tpu-to-tpu copy_: whether dst and src (tpu tensors without
+// math bits) are views of one storage sharing elements in different layouts,
+// a TooHard overlap CPU's copy_ does not reject (at::assert_no_partial_overlap
+// covers the Partial ones) but defines by its element order; if so the copy
+// runs on the CPU mirror (RunOnCpuMirror), giving CPU's result, and true is
+// returned.
+bool CopyOnCpuIfOverlapping(const at::Tensor& dst, const at::Tensor& src) {
+  if (dst.numel() == 0 || src.numel() == 0 || !dst.has_storage() || !src.has_storage() || dst.is_same(src) ||
+      !dst.storage().is_alias_of(src.storage()) || !PartlyOverlapping(dst, src))
+    return false;
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
+  torch::jit::Stack stack{dst, src, false};
+  RunOnCpuMirror(op, &stack);
+  return true;
 }
 
 }  // namespace torch_tpu::aten

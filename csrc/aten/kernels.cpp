@@ -208,6 +208,8 @@ at::Tensor ResolveMathBits(const at::Tensor& t) {
   return v;
 }
 
+bool CopyOnCpuIfOverlapping(const at::Tensor& dst, const at::Tensor& src);  // fallback.cpp
+
 namespace {
 
 void RunCopy(const at::Tensor& dst, const at::Tensor& src) {
@@ -230,6 +232,11 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst_logical, bool n
   // As CPU's copy_ (its TensorIterator): dst partly overlapping src raises;
   // a tpu storage's data pointer is a unique address, so offsets compare.
   if (dst_tpu && src_tpu) at::assert_no_partial_overlap(dst_logical, src);
+  // Views of one storage sharing elements in other layouts (a non-dense
+  // view: TooHard above): CPU's element order defines the result.
+  if (dst_tpu && src_tpu && !src.is_conj() && !src.is_neg() && !dst_logical.is_conj() && !dst_logical.is_neg() && src.device() == dst_logical.device() &&
+      CopyOnCpuIfOverlapping(dst_logical, src))
+    return dst_logical;
   auto& rt = Runtime::Get();
   if (!src_tpu && dst_tpu) {
     TORCH_CHECK(src.device().is_cpu(), "copy to tpu from ", src.device(), " is not supported; copy to the CPU first");

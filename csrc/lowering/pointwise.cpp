@@ -199,7 +199,21 @@ std::optional<ElementType> DivRounding(const LoweringContext& ctx, ScalarType co
   return ToElementType(common);
 }
 
+// Integer division or remainder by zero: CPU's kernels raise RuntimeError
+// "ZeroDivisionError" (aten/src/ATen/native/cpu/BinaryOpsKernel.cpp); here a
+// value check (LoweringContext::check) raises it at the next sync point, at
+// the op in debug mode. `y` is the divisor as computed (broadcast): an empty
+// result divides nothing and raises nothing, as on CPU. Floating and complex
+// division give inf/nan, unchecked.
+void CheckIntegerDivisor(const Pw& p, const Value& y) {
+  if (IsFloat(p.compute) || IsComplex(p.compute)) return;
+  Value zero = Cmp(p.b, y, ConstLike(p.b, y, 0), kEQ);
+  p.ctx.check(zero.rank() == 0 ? zero : ReduceOr(p.b, zero, ReductionDims({}, zero.rank()), false),
+              "ZeroDivisionError");
+}
+
 Value FloorDiv(const Pw& p, const Value& x, const Value& y) {
+  CheckIntegerDivisor(p, y);
   if (IsFloat(p.compute)) return FloorDivFloat(p.b, x, y, DivRounding(p.ctx, p.common));
   if (IsUnsigned(p.compute)) return p.b.Div(x, y);
   return FloorDivInt(p.b, x, y);
@@ -217,6 +231,7 @@ std::vector<Value> LowerDiv(LoweringContext& ctx) {
   if (IsComplex(p.common)) throw LoweringError(ctx.op_name() + ": complex division with a rounding mode");
   Value x = p.InExact("self"), y = p.InExact("other");
   if (mode == "trunc") {
+    CheckIntegerDivisor(p, y);
     Value q = p.b.Div(x, y);
     if (auto r = DivRounding(ctx, p.common)) q = p.b.Convert(p.b.Convert(q, *r), q.element());
     return {p.Done(IsFloat(p.compute) ? Trunc(p.b, q) : q)};
@@ -237,6 +252,7 @@ std::vector<Value> LowerRemainder(LoweringContext& ctx) {
   if (p.common == at::kBool) throw LoweringError(ctx.op_name() + ": bool remainder");
   Builder& b = p.b;
   Value x = p.In("self"), y = p.In("other");
+  CheckIntegerDivisor(p, y);
   Value r = b.Rem(x, y);
   if (IsUnsigned(p.compute)) return {p.Done(r)};
   Value zero = p.C(0);
@@ -248,7 +264,9 @@ std::vector<Value> LowerRemainder(LoweringContext& ctx) {
 std::vector<Value> LowerFmod(LoweringContext& ctx) {
   Pw p = MakePw(ctx, {"self", "other"});
   if (p.common == at::kBool) throw LoweringError(ctx.op_name() + ": bool fmod");
-  return {p.Done(p.b.Rem(p.In("self"), p.In("other")))};
+  Value y = p.In("other");
+  CheckIntegerDivisor(p, y);
+  return {p.Done(p.b.Rem(p.In("self"), y))};
 }
 
 std::vector<Value> LowerPow(LoweringContext& ctx) {

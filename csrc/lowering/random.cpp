@@ -114,7 +114,11 @@ std::vector<Value> LowerNormal(LoweringContext& ctx) {
 }
 
 // bernoulli_(self, p: float | Tensor), bernoulli(self) (p = self),
-// bernoulli.p(self, p).
+// bernoulli.p(self, p). A float p outside [0, 1] is rejected before the call
+// (aten/fallback.cpp CheckArgumentsLikeCpu, CPU's "bernoulli_ expects p to be
+// in [0, 1], but got p=..."); a tensor p holding a value outside [0, 1] or
+// NaN raises CPU's RuntimeError (its CPU_tensor_apply check) at the next sync
+// point (a value check), at the op in debug mode.
 std::vector<Value> LowerBernoulli(LoweringContext& ctx) {
   auto& b = ctx.b;
   const auto& out = ctx.outputs[0];
@@ -124,6 +128,14 @@ std::vector<Value> LowerBernoulli(LoweringContext& ctx) {
     p = FloatOrTensor(ctx, "p", t, out.sizes, 0.5);
   } else {
     p = Prepare(b, ctx.tensor("self"), t, out.sizes);
+  }
+  const LoweredArg* p_arg = ctx.find("p");
+  if ((!p_arg || p_arg->kind == LoweredArg::Kind::kTensor) && p.type.numel() > 0) {
+    Value inside = b.And(b.Compare(p, ConstLike(b, p, 0), CompareDirection::kGE),
+                         b.Compare(p, ConstLike(b, p, 1), CompareDirection::kLE));
+    Value outside = b.Not(inside);
+    ctx.check(outside.rank() == 0 ? outside : ReduceOr(b, outside, ReductionDims({}, outside.rank()), false),
+              "Expected p_in >= 0 && p_in <= 1 to be true, but got false.");
   }
   Value u = Cast(b, Uniform(ctx, out.sizes, t == at::kDouble), t);
   Value hit = b.Compare(u, p, CompareDirection::kLT);

@@ -1070,10 +1070,6 @@ ERROR_EXPECTED_FAILURES: dict[tuple[str, str, Any], str] = {
                              "runtime casts into out=)",
     ("kthvalue", "*", 0): "values/indices out= overlapping the input: CPU checks it in its kernel, not in the "
                           "meta kernel the runtime runs, so the overlap is not seen",
-    ("cat", "*", 8): "out= a view of an input that cat must resize: PyTorch's meta cat does not report the overlap "
-                     "that CPU's kernel reports after resizing, and the runtime writes a new storage",
-    ("vdot", "*", 3): "a CPU tensor mixed into a call that runs through the CPU fallback (vdot has no "
-                      "lowering): cpu_fallback moves every argument to the CPU and computes",
     ("gradient", "*", 3): "torch.gradient's device check on spacing tensors (a Python composite): the meta "
                           "run of an op it calls fails first",
     ("gradient", "*", 10): "torch.gradient's device check on spacing tensors (a Python composite): the meta "

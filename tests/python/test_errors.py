@@ -9,7 +9,9 @@ tests/python/test_opinfo.py::test_opinfo_errors; these are the cases the
 issue names and the checks added with them, which no ErrorInput covers:
 value checks on device data (integer pow with a negative Scalar exponent,
 class targets out of range), reductions without identity over empty
-inputs, out= overlapping an input, gather/scatter's RuntimeError.
+inputs, out= overlapping an input, gather/scatter's RuntimeError,
+bernoulli's p, integer division by zero, index dtypes, partial overlaps of
+non-dense views.
 """
 from __future__ import annotations
 
@@ -138,12 +140,136 @@ CASES = {
                                "from is out of bounds for c10::Half"),
 }
 
+# Checks whose values reach the device: strict mode serves a signature's first
+# call on the CPU kernel (host-first), so test_invalid_input_on_the_device
+# repeats each of these, the later calls running the device program.
+DEVICE_CASES = {
+    # bernoulli: a float p is checked before the call (CPU's message, with p);
+    # a tensor p on its values (a value check, CPU's message)
+    "bernoulli_float_p_high": (lambda x: x.bernoulli_(1.5), [torch.empty(3)],
+                               r"bernoulli_ expects p to be in \[0, 1\], but got p=1.5"),
+    "bernoulli_float_p_negative": (lambda x: x.bernoulli_(-0.25), [torch.empty(3)],
+                                   r"bernoulli_ expects p to be in \[0, 1\], but got p=-0.25"),
+    "bernoulli_p_functional": (lambda x: torch.bernoulli(x, 2.0), [torch.empty(3)],
+                               r"bernoulli_ expects p to be in \[0, 1\]"),
+    "bernoulli_tensor_p": (lambda x, p: x.bernoulli_(p), [torch.empty(3), torch.tensor([0.5, 1.5, 0.0])],
+                           r"Expected p_in >= 0 && p_in <= 1"),
+    "bernoulli_self_negative": (lambda p: torch.bernoulli(p), [torch.tensor([[0.5, -0.5], [0.0, 1.0]])],
+                                r"Expected p_in >= 0 && p_in <= 1"),
+    "bernoulli_self_nan": (lambda p: torch.bernoulli(p), [torch.tensor([0.5, float("nan")], dtype=torch.float64)],
+                           r"Expected p_in >= 0 && p_in <= 1"),
+    # integer division and remainder by zero: CPU's RuntimeError "ZeroDivisionError"
+    "floor_divide_int_zero": (lambda x, y: x // y, [torch.tensor([1, 2]), torch.tensor([0, 1])], "ZeroDivisionError"),
+    "floor_divide_int_scalar_zero": (lambda x: x // 0, [torch.tensor([1, 2])], "ZeroDivisionError"),
+    "floor_divide_int32_broadcast": (lambda x, y: x // y, [torch.ones(2, 3, dtype=torch.int32),
+                                                           torch.tensor([1, 0, 1], dtype=torch.int32)],
+                                     "ZeroDivisionError"),
+    "remainder_int_zero": (lambda x, y: x % y, [torch.tensor([1, 2]), torch.tensor([0, 1])], "ZeroDivisionError"),
+    "remainder_int_scalar_zero": (lambda x: torch.remainder(x, 0), [torch.tensor([5, 2])], "ZeroDivisionError"),
+    "remainder_uint8_zero": (lambda x, y: x % y, [torch.tensor([1, 2], dtype=torch.uint8),
+                                                   torch.tensor([3, 0], dtype=torch.uint8)], "ZeroDivisionError"),
+    "fmod_int_zero": (lambda x, y: torch.fmod(x, y), [torch.tensor([1, 2]), torch.tensor([1, 0])],
+                      "ZeroDivisionError"),
+    "div_trunc_int_zero": (lambda x, y: torch.div(x, y, rounding_mode="trunc"),
+                           [torch.tensor([1, 2]), torch.tensor([0, 1])], "ZeroDivisionError"),
+    "div_floor_int8_zero": (lambda x, y: torch.div(x, y, rounding_mode="floor"),
+                            [torch.tensor([1, 2], dtype=torch.int8), torch.tensor([0, 1], dtype=torch.int8)],
+                            "ZeroDivisionError"),
+    "floor_divide_inplace_zero": (lambda x, y: x.floor_divide_(y), [torch.tensor([4, 2]), torch.tensor([2, 0])],
+                                  "ZeroDivisionError"),
+    # index dtypes CPU's index_* kernels refuse (the meta kernels accept any)
+    "index_fill_float_index": (lambda x, i: x.index_fill(0, i, 1), [torch.zeros(3), torch.tensor([0.])],
+                               r"index_fill_\(\): Expected dtype int64 for index"),
+    "index_fill_int32_index": (lambda x, i: x.index_fill_(0, i, 1), [torch.zeros(3), torch.tensor([0], dtype=torch.int32)],
+                               r"index_fill_\(\): Expected dtype int64 for index"),
+    "index_copy_float_index": (lambda x, i, s: x.index_copy(0, i, s), [torch.zeros(3), torch.tensor([0.]), torch.ones(1)],
+                               r"index_copy_\(\): Expected a long tensor for index, but got Float"),
+    "index_add_float_index": (lambda x, i, s: x.index_add(0, i, s), [torch.zeros(3), torch.tensor([0.]), torch.ones(1)],
+                              r"index_add_\(\): Expected dtype int32/int64 for index but got: Float"),
+    "index_add_int16_index": (lambda x, i, s: x.index_add(0, i, s),
+                              [torch.zeros(3), torch.tensor([0], dtype=torch.int16), torch.ones(1)],
+                              r"Expected dtype int32/int64 for index but got: Short"),
+    "index_reduce_float_index": (lambda x, i, s: x.index_reduce(0, i, s, "prod"),
+                                 [torch.zeros(3), torch.tensor([0.]), torch.ones(1)],
+                                 r"index_reduce_\(\): Expected dtype int32/int64 for index"),
+    "index_select_float_index": (lambda x, i: x.index_select(0, i), [torch.zeros(3), torch.tensor([0.])],
+                                 r"index_select\(\): Expected dtype int32 or int64 for index"),
+}
+CASES.update(DEVICE_CASES)
+
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_invalid_input(case, mode):
     fn, args, regex = CASES[case]
     _check(fn, args, regex, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", sorted(DEVICE_CASES))
+def test_invalid_input_on_the_device(case, mode):
+    """The same invalid input three times: after strict mode's first call
+    (served on the CPU kernel while the program compiles), the device program
+    (debug and fused: every call) must raise CPU's exception type and name the
+    problem, from a value check on the device where the problem is in the
+    values."""
+    fn, args, regex = DEVICE_CASES[case]
+    for _ in range(3):
+        _check(fn, args, regex, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_value_check_surfaces_at_the_op_or_the_sync_point(mode):
+    """Integer division by zero on device values: debug mode raises at the
+    op; strict and fused mode at the next sync point (reading the result),
+    naming the op. The calls before the failing one keep their values."""
+    x, y = torch.tensor([7, -7, 5]), torch.tensor([2, 0, 1])
+    tx, ty = x.to(TPU), y.to(TPU)
+    with torch_tpu.eager_mode(mode):
+        for _ in range(2):  # strict: the second call runs the device program
+            ok = (tx // torch.ones_like(ty)).cpu()
+            torch.testing.assert_close(ok, x // torch.ones_like(y), rtol=0, atol=0)
+            if mode == "debug":
+                with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+                    tx // ty
+            else:
+                try:
+                    r = tx // ty
+                except RuntimeError as e:  # strict's host-first call raises at once, as CPU
+                    assert "ZeroDivisionError" in str(e)
+                    continue
+                with pytest.raises(RuntimeError, match=r"floor_divide.*ZeroDivisionError"):
+                    r.cpu()
+        torch.tpu.synchronize()  # nothing left pending
+        torch.testing.assert_close((tx // (ty + 1)).cpu(), x // (y + 1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_valid_division_bernoulli_and_index_fill_still_compute(mode):
+    """What CPU accepts computes CPU's values on the device (no CPU
+    fallback): integer // and % by nonzero values, bernoulli with p in
+    [0, 1] (p = 0 and 1 exactly), index_fill with an int64 index; and
+    index_fill of a tpu tensor with a CPU index, which CPU's kernel accepts
+    (PyTorch's test_stable_sort_against_numpy does it), is moved to the
+    device."""
+    from conftest import no_cpu_fallback
+    x, y = torch.tensor([7, -7, 5, -3]), torch.tensor([2, 3, -1, -2])
+    p = torch.tensor([0.0, 1.0, 1.0, 0.0])
+    with torch_tpu.eager_mode(mode), no_cpu_fallback():
+        for _ in range(2):
+            tx, ty = x.to(TPU), y.to(TPU)
+            torch.testing.assert_close((tx // ty).cpu(), x // y, rtol=0, atol=0)
+            torch.testing.assert_close((tx % ty).cpu(), x % y, rtol=0, atol=0)
+            torch.testing.assert_close(torch.fmod(tx, ty).cpu(), torch.fmod(x, y), rtol=0, atol=0)
+            torch.testing.assert_close((tx // 3).cpu(), x // 3, rtol=0, atol=0)
+            torch.testing.assert_close(torch.bernoulli(p.to(TPU)).cpu(), p, rtol=0, atol=0)
+            torch.testing.assert_close(torch.empty(4, device=TPU).bernoulli_(1.0).cpu(), torch.ones(4))
+            z = torch.zeros(3, 4)
+            idx = torch.tensor([2, 0])
+            torch.testing.assert_close(z.to(TPU).index_fill(0, idx.to(TPU), 5).cpu(), z.index_fill(0, idx, 5))
+            torch.testing.assert_close(z.to(TPU).index_fill(1, idx, -1.5).cpu(), z.index_fill(1, idx, -1.5))
+            torch.testing.assert_close(z.to(TPU).index_fill_(0, torch.tensor(1), 2).cpu(),
+                                       z.clone().index_fill_(0, torch.tensor(1), 2))
 
 
 @pytest.mark.parametrize("mode", ("strict", "debug"))
@@ -219,11 +345,15 @@ PARTIAL = {
     "add_inplace": lambda a: a[1:].add_(a[:-1]),
     "add_out": lambda a: torch.add(a[:-1], 1, out=a[1:]),
     "copy": lambda a: a[1:].copy_(a[:-1]),
+    # Non-dense views sharing elements in other layouts (at::get_overlap_status
+    # TooHard): CPU's loop computes in its element order (it does not raise),
+    # reading elements it wrote; tpu must give those values.
+    "mul_columns": lambda a: a.view(2, 5)[:, 1:].mul_(a.view(2, 5)[:, :-1]),
+    "copy_columns": lambda a: a.view(2, 5)[:, 1:].copy_(a.view(2, 5)[:, :-1]),
+    "add_out_columns": lambda a: torch.add(a.view(2, 5)[:, :-1], 1, out=a.view(2, 5)[:, 1:]),
+    "add_every_other": lambda a: a[2::2].add_(a[:-2:2]),
+    "mul_transposed_block": lambda a: a[:9].view(3, 3)[:, :2].mul_(a[:9].view(3, 3).t()[:, :2]),
 }
-# Not covered yet: partial overlaps of non-dense views (a.view(2, 5)[:, 1:]
-# .mul_(a.view(2, 5)[:, :-1])): CPU raises, tpu still computes a value
-# (at::get_overlap_status answers TooHard there; mirroring every TooHard
-# call would send disjoint column-view updates to the CPU too).
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -261,7 +391,19 @@ def test_full_and_disjoint_overlaps_still_run_natively():
     with no_cpu_fallback():
         t.add_(t)
         t[5:].add_(t[:5])
+        # non-dense views of one storage sharing no element (TooHard for
+        # at::get_overlap_status; ViewsShareAnElement tells them apart)
+        t[::2].add_(t[1::2])
+        t.view(2, 5)[:, 0].mul_(t.view(2, 5)[:, 1])
+        t.view(2, 5)[:, 1:3].sub_(t.view(2, 5)[:, 3:])
+        t.view(2, 5)[:, 1:].mul_(t.view(2, 5)[:, 1:])  # the same layout: a full overlap
+        t.view(2, 5)[:, 0].copy_(t.view(2, 5)[:, 4])
         got = t.cpu()
     a.add_(a)
     a[5:].add_(a[:5])
+    a[::2].add_(a[1::2])
+    a.view(2, 5)[:, 0].mul_(a.view(2, 5)[:, 1])
+    a.view(2, 5)[:, 1:3].sub_(a.view(2, 5)[:, 3:])
+    a.view(2, 5)[:, 1:].mul_(a.view(2, 5)[:, 1:])
+    a.view(2, 5)[:, 0].copy_(a.view(2, 5)[:, 4])
     torch.testing.assert_close(got, a)

@@ -558,15 +558,56 @@ def test_index_ops_fused_mode():
         run_native(lambda a: torch.segment_reduce(a.t(), "mean", lengths=idx(2, 1).to(a.device)), x)
 
 
-def test_index_fill_cpu_index_rejected_as_on_cuda():
-    """index_fill_ with a 1-D CPU index on a device tensor: PyTorch builds a
-    TensorIterator over self and the (restrided) index without
-    allow_cpu_scalars, so CUDA raises "Expected all tensors to be on the
-    same device"; tpu does the same (index/index_put, which accept CPU
-    indices on CUDA, move them). A tpu index computes as CPU does."""
+def test_index_fill_cpu_index_accepted_as_on_cpu():
+    """index_fill_ with a 1-D CPU index on a device tensor: CPU's kernel
+    accepts it (CUDA's raises "Expected all tensors to be on the same
+    device": its TensorIterator lacks allow_cpu_scalars); tpu moves the index
+    to the device (aten/fallback.cpp MoveCpuIndicesToDevice) and computes
+    CPU's values, as PyTorch's test_stable_sort_against_numpy expects of a
+    non-CUDA device. A tpu index computes the same."""
     x = torch.arange(12.0).reshape(3, 4)
     idx = torch.tensor([0, 2])
-    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
-        x.to("tpu").index_fill(1, idx, -1.0)
-    got = x.to("tpu").index_fill(1, idx.to("tpu"), -1.0)
-    torch.testing.assert_close(got.cpu(), x.index_fill(1, idx, -1.0), rtol=0, atol=0)
+    with no_cpu_fallback():
+        got_cpu_index = x.to("tpu").index_fill(1, idx, -1.0)
+        got = x.to("tpu").index_fill(1, idx.to("tpu"), -1.0)
+        torch.testing.assert_close(got_cpu_index.cpu(), x.index_fill(1, idx, -1.0), rtol=0, atol=0)
+        torch.testing.assert_close(got.cpu(), x.index_fill(1, idx, -1.0), rtol=0, atol=0)
+
+
+def test_mask_assignment_is_masked_fill_one_program_for_every_mask():
+    """x[mask] = v (one bool mask over x's leading dims, a one-element value of
+    x's dtype) runs as masked_fill (aten/fallback.cpp ServeMaskAssignAsMaskedFill):
+    CPU's values, no count sync and no program per number of true elements
+    (PyTorch's _generate_input in test_view_ops does this with random masks:
+    it compiled one index_put per count before). Other forms keep the general
+    path and CPU's errors."""
+    from conftest import no_cpu_fallback
+    torch.manual_seed(0)
+    base = torch.randn(5, 6, 7)
+    with no_cpu_fallback():
+        for i, (mask_shape, value) in enumerate([((5, 6, 7), 0.0), ((5, 6), float("nan")), ((5,), float("-inf")),
+                                                 ((5, 6, 7), torch.tensor(3.5)), ((5, 6), torch.tensor([2.0]))]):
+            compiles = None
+            for trial in range(3):
+                mask = torch.randn(*mask_shape) > 0.3 * trial
+                want = base.clone()
+                want[mask] = value
+                for m in (mask, mask.to("tpu")):  # a CPU mask, as the PyTorch test, or a tpu one
+                    got = base.to("tpu")
+                    got[m] = value.to("tpu") if isinstance(value, torch.Tensor) and trial == 2 else value
+                    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True)
+                if trial == 0:
+                    compiles = torch_tpu.metrics()["compiles"]
+            assert torch_tpu.metrics()["compiles"] == compiles, f"case {i}: a mask with another count compiled again"
+        # the functional index_put with a mask
+        mask = base[:, 0, 0] > 0
+        got = torch.index_put(base.to("tpu"), (mask.to("tpu"),), torch.tensor(-1.0, device="tpu"))
+        torch.testing.assert_close(got.cpu(), torch.index_put(base, (mask,), torch.tensor(-1.0)), rtol=0, atol=0)
+    # a mask of the wrong shape and a value that cannot broadcast raise as on CPU
+    for fn in (lambda x: x.__setitem__(torch.ones(4, dtype=torch.bool), 0.0),
+               lambda x: x.index_put_((torch.ones(5, dtype=torch.bool),), torch.tensor([1.0, 2.0]))):
+        with pytest.raises(Exception) as cpu_err:
+            fn(base.clone())
+        with pytest.raises(type(cpu_err.value)):
+            fn(base.to("tpu"))
+            torch.tpu.synchronize()
