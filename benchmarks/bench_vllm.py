@@ -11,7 +11,10 @@ ignored, and reports output tokens per second (wall clock) at 1 request
 
 1. vLLM on tpu: vLLM's OpenAI server (examples/serve_vllm.py's
    ``vllm_server``; compiled, buckets warmed up at start-up) queried with
-   httpx, 16 requests from 16 threads; one untimed request first.  And the
+   one httpx.Client from 16 threads (16 requests); one untimed request and
+   one untimed concurrent round first.  With the model runner's per-step
+   timeline (TORCH_TPU_VLLM_TIMELINE): engine steps and requests per step
+   of the timed round.  And the
    offline engine, ``vllm.LLM(...).generate`` (same limits, in a child
    process, engine in-process), 1 prompt and then the 16 in one call, after
    an untimed call of the same.
@@ -62,31 +65,61 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 
-def _serve_round(serve_vllm, url, model, prompts, new_tokens):
-    """(tokens/s at 1 request, tokens/s at len(prompts) concurrent)."""
-    warm = serve_vllm.complete(url, model, prompts[0], new_tokens)
-    if warm["status"] != 200:
-        raise RuntimeError(f"warm-up request failed: {warm}")
-    t0 = time.perf_counter()
-    one = serve_vllm.complete(url, model, prompts[0], new_tokens)
-    t1 = time.perf_counter() - t0
-    cpu0 = _tree_cpu()
-    t0, c0 = time.perf_counter(), time.process_time()
-    with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        many = list(pool.map(lambda p: serve_vllm.complete(url, model, p, new_tokens), prompts))
-    tn = time.perf_counter() - t0
-    client = time.process_time() - c0
-    cpu1 = _tree_cpu()
+def _serve_round(serve_vllm, url, model, prompts, new_tokens, timeline):
+    """(tokens/s at 1 request, tokens/s at len(prompts) concurrent).
+
+    One ``httpx.Client`` for every request (pooled keep-alive connections):
+    a client per request costs ~60 CPU ms of TLS set-up each, which spread
+    16 "concurrent" arrivals over ~1.3 s (BENCHMARKS.md).  Untimed first:
+    one request and one concurrent round (compiles nothing new, opens the
+    pool's connections).  ``timeline``: the server's
+    TORCH_TPU_VLLM_TIMELINE file, summarized for the timed concurrent round."""
+    import httpx
+
+    n = len(prompts)
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=2.0)
+    with httpx.Client(limits=limits) as client, cf.ThreadPoolExecutor(n) as pool:
+        def send(p):
+            return serve_vllm.complete(url, model, p, new_tokens, client=client)
+
+        warm = [send(prompts[0])] + list(pool.map(send, prompts))
+        t0 = time.perf_counter()
+        one = send(prompts[0])
+        t1 = time.perf_counter() - t0
+        steps0 = _timeline(timeline)
+        cpu0 = _tree_cpu()
+        t0, c0, w0 = time.perf_counter(), time.process_time(), time.time()
+        many = list(pool.map(send, prompts))
+        tn = time.perf_counter() - t0
+        client_cpu = time.process_time() - c0
+        cpu1 = _tree_cpu()
     per = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
-    tokens = len(prompts) * new_tokens
-    print(f"# server, {len(prompts)} concurrent: CPU s per process for {tokens} tokens: "
+    tokens = n * new_tokens
+    print(f"# server, {n} concurrent: CPU s per process for {tokens} tokens: "
           + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items()))
-          + f", client (this process, {len(prompts)} httpx threads) {client:.2f}; "
+          + f", client (this process, {n} httpx threads, one Client) {client_cpu:.2f}; "
           f"wall {tn:.2f} s", flush=True)
-    for r in [one] + many:
+    steps = _timeline(timeline)[len(steps0):]
+    if steps:
+        busy = sum(s["execute"] + s["sample"] for s in steps)
+        full = sum(1 for s in steps if s["reqs"] == n)
+        print(f"# server, {n} concurrent: {len(steps)} engine steps, {full} with all {n} "
+              f"requests, mean {sum(s['reqs'] for s in steps) / len(steps):.1f} requests per "
+              f"step; first step {steps[0]['t'] - w0:.3f} s after the first send; model runner "
+              f"busy {busy:.2f} s of {tn:.2f} s wall", flush=True)
+    for r in warm + [one] + many:
         if r["status"] != 200 or len(r["json"]["choices"][0]["token_ids"]) != new_tokens:
             raise RuntimeError(f"request failed: {r}")
-    return new_tokens / t1, len(prompts) * new_tokens / tn
+    return new_tokens / t1, n * new_tokens / tn
+
+
+def _timeline(path: str) -> list:
+    """The model runner's per-step records (torch_tpu/vllm/worker.py,
+    TORCH_TPU_VLLM_TIMELINE)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _tree_cpu() -> dict:
@@ -220,8 +253,10 @@ def main() -> None:
     for run in ("cold", "warm"):
         log = os.path.join(tmp, f"server-{run}.log")
         t0, wall0 = time.perf_counter(), time.time()
+        timeline = os.path.join(tmp, f"timeline-{run}.jsonl")
         with serve_vllm.vllm_server(model, serve_vllm.free_port(), log_path=log, timeout_s=900,
-                                    env={"TORCH_TPU_CACHE_DIR": cache}) as url:
+                                    env={"TORCH_TPU_CACHE_DIR": cache,
+                                         "TORCH_TPU_VLLM_TIMELINE": timeline}) as url:
             ready = time.perf_counter() - t0
             r = serve_vllm.complete(url, model, prompts[0], 1)
             start[run] = time.perf_counter() - t0
@@ -230,7 +265,7 @@ def main() -> None:
             phases[run] = _startup_phases(log, wall0, ready, start[run])
             if run == "warm" and not args.startup_only:
                 rows["vLLM on tpu (OpenAI server, compiled)"] = _serve_round(
-                    serve_vllm, url, model, prompts, args.new_tokens)
+                    serve_vllm, url, model, prompts, args.new_tokens, timeline)
         print(f"# {run} start: {start[run]:.1f} s to the first token; "
               + ", ".join(f"{k} {v:.1f} s" for k, v in phases[run].items()), flush=True)
     if args.startup_only:

@@ -89,11 +89,18 @@ def _tail(path: str | None, n: int = 4000) -> str:
         return f.read()[-n:]
 
 
-def complete(url: str, model: str, prompt, max_tokens: int, **extra) -> dict:
-    """One /v1/completions request (greedy unless extra says otherwise)."""
+def complete(url: str, model: str, prompt, max_tokens: int, client: httpx.Client | None = None,
+             **extra) -> dict:
+    """One /v1/completions request (greedy unless extra says otherwise).
+
+    ``client``: an ``httpx.Client`` to send it on (its pooled keep-alive
+    connections); without one, ``httpx.post`` builds a client per request,
+    whose TLS context alone costs ~60 CPU ms here -- 16 concurrent requests
+    then reach the server staggered over ~1 s (BENCHMARKS.md "Serving")."""
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
                 ignore_eos=True, return_token_ids=True, **extra)
-    r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    post = client.post if client is not None else httpx.post
+    r = post(url + "/v1/completions", json=body, timeout=300)
     return {"status": r.status_code, "json": r.json()}
 
 
@@ -114,11 +121,17 @@ def main() -> None:
                for i in range(args.requests)]
     log = os.path.join(tmp, "server.log")
     extra = ["--enforce-eager"] if args.enforce_eager else []
-    with vllm_server(model, free_port(), extra_args=extra, log_path=log) as url:
-        complete(url, model, "warm up", 2)
+    # keepalive_expiry under uvicorn's 5 s keep-alive timeout: no reuse of a connection
+    # the server is closing (httpx.RemoteProtocolError).
+    limits = httpx.Limits(max_connections=args.requests, max_keepalive_connections=args.requests,
+                          keepalive_expiry=2.0)
+    with vllm_server(model, free_port(), extra_args=extra, log_path=log) as url, \
+            httpx.Client(limits=limits) as client:
+        complete(url, model, "warm up", 2, client=client)
         t0 = time.perf_counter()
         with cf.ThreadPoolExecutor(args.requests) as pool:
-            results = list(pool.map(lambda p: complete(url, model, p, args.max_tokens), prompts))
+            results = list(pool.map(
+                lambda p: complete(url, model, p, args.max_tokens, client=client), prompts))
         dt = time.perf_counter() - t0
     n = 0
     for p, r in zip(prompts, results):

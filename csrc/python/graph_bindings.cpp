@@ -171,8 +171,12 @@ void BindGraphProgram(py::module& m) {
       .def("donate_input", &GraphProgram::DonateInput, py::arg("input"), py::arg("output"),
            "Output `output` (the new value of input `input`) may reuse the input's buffer")
       .def("compile", &GraphProgram::Compile)
-      .def("run", &GraphProgram::Run, py::arg("inputs"),
-           "Runs the program (in fused eager mode: records it as one call of the fused region)")
+      // Without the GIL, as PyTorch's own op bindings: the launch waits for
+      // the device (PJRT's Execute, donated buffers) and other Python threads
+      // (vLLM's engine-core socket threads) run meanwhile.
+      .def("run", &GraphProgram::Run, py::arg("inputs"), py::call_guard<py::gil_scoped_release>(),
+           "Runs the program (in fused eager mode: records it as one call of the fused region); "
+           "releases the GIL while it runs")
       .def_property_readonly("compiled", &GraphProgram::compiled)
       .def_property_readonly("module_text", &GraphProgram::module_text)
       .def_property_readonly("name", &GraphProgram::name)

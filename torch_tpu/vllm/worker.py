@@ -24,6 +24,9 @@ and greedy sampling reads the argmax computed on ``tpu``.
 from __future__ import annotations
 
 import functools
+import json
+import os
+import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -259,9 +262,12 @@ class TPUModelRunner(CPUModelRunner):
             pos = torch.zeros((*positions.shape[:-1], padded), dtype=positions.dtype)
             pos[..., :n] = positions
             kwargs = {k: _to(v, TPU) for k, v in kwargs.items()}
+            t0 = time.perf_counter()
             out = forward(ids.to(TPU), pos.to(TPU), **kwargs)
             if isinstance(out, torch.Tensor):
-                return out.cpu()[:n]
+                out = out.cpu()[:n]
+                runner._mark("forward", t0, tokens=n, bucket=padded)
+                return out
             raise NotImplementedError(
                 f"torch_tpu vLLM: the model returned {type(out).__name__}, not hidden states")
 
@@ -271,7 +277,9 @@ class TPUModelRunner(CPUModelRunner):
             padded = buckets.pad_to(n, batch_buckets)
             h = torch.zeros((padded, *hidden_states.shape[1:]), dtype=hidden_states.dtype)
             h[:n] = hidden_states
+            t0 = time.perf_counter()
             logits, ids = compute_logits(h.to(TPU), *args, **kwargs)
+            runner._mark("logits", t0, rows=n, bucket=padded)
             if logits is None:
                 return None
             if not runner._in_execute_model:
@@ -287,15 +295,40 @@ class TPUModelRunner(CPUModelRunner):
 
     _in_execute_model = False
     _step_argmax = None  # (tpu logits [n, V], tpu argmax [padded], n) of this step
+    _timeline = None  # the open TORCH_TPU_VLLM_TIMELINE file, or None
+    _step = None  # this step's timeline record
 
-    def execute_model(self, *args, **kwargs):
+    def _mark(self, phase: str, t0: float, **info) -> None:
+        """Record one phase (seconds from ``t0`` to now) in this step's
+        timeline record, when TORCH_TPU_VLLM_TIMELINE is set."""
+        if self._step is not None:
+            self._step[phase] = round(time.perf_counter() - t0, 6)
+            for k, v in info.items():
+                self._step[f"{phase}_{k}"] = v
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
         """vLLM's execute_model; ``compute_logits`` inside it leaves the
-        logits on tpu (see :meth:`load_model`)."""
+        logits on tpu (see :meth:`load_model`).
+
+        With ``TORCH_TPU_VLLM_TIMELINE=path`` set, each step appends one JSON
+        line to ``path``: ``t`` (time.time() at the step's start, s),
+        ``reqs`` and ``tokens`` (scheduled requests and tokens), ``execute``
+        and ``sample`` (seconds in execute_model and sample_tokens),
+        ``forward`` / ``logits`` (seconds in the two programs' calls, with
+        their buckets); the gaps between steps are the engine's own time."""
+        if self._timeline is None and os.environ.get("TORCH_TPU_VLLM_TIMELINE"):
+            self._timeline = open(os.environ["TORCH_TPU_VLLM_TIMELINE"], "a", buffering=1)
+        if self._timeline is not None and scheduler_output.total_num_scheduled_tokens:
+            self._step = {"t": round(time.time(), 6),
+                          "reqs": len(scheduler_output.num_scheduled_tokens),
+                          "tokens": scheduler_output.total_num_scheduled_tokens}
         self._in_execute_model, self._step_argmax = True, None
+        t0 = time.perf_counter()
         try:
-            return super().execute_model(*args, **kwargs)
+            return super().execute_model(scheduler_output, *args, **kwargs)
         finally:
             self._in_execute_model = False
+            self._mark("execute", t0)
 
     def sample_tokens(self, grammar_output):
         """vLLM's sample_tokens; a structured-output step first brings the
@@ -304,7 +337,14 @@ class TPUModelRunner(CPUModelRunner):
         if grammar_output is not None and state is not None and \
                 isinstance(state.logits, torch.Tensor) and state.logits.device.type == "tpu":
             self.execute_model_state = state._replace(logits=state.logits.cpu())
-        return super().sample_tokens(grammar_output)
+        t0 = time.perf_counter()
+        try:
+            return super().sample_tokens(grammar_output)
+        finally:
+            step, self._step = self._step, None
+            if step is not None:
+                step["sample"] = round(time.perf_counter() - t0, 6)
+                self._timeline.write(json.dumps(step) + "\n")
 
     def _sample(self, logits, spec_decode_metadata):
         """Greedy steps (:func:`greedy_on_tpu_ok`) take the argmax the logits
