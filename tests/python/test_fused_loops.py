@@ -207,3 +207,53 @@ print(snap[10][0] - snap[4][0], snap[10][1] - snap[4][1])
     compiles, regions = map(int, r.stdout.strip().splitlines()[-1].split())
     assert compiles == 0
     assert regions == 10 - 4  # one region per step
+
+
+def test_size_bound_counts_a_multi_tensor_op_once():
+    """TORCH_TPU_FUSED_MAX_OPS counts ops as the program makes them: a
+    foreach AdamW step over 24 parameters (~190 recorded per-tensor calls, a
+    dozen _foreach_* ops) with a bound of 16 is ONE program in strict mode and
+    one region in fused mode (before: cut every 16 recorded calls); the
+    recorded calls are bounded too (16 x the bound: with a bound of 4, 64
+    calls a region, so the step is several programs, a foreach op cut inside).
+    Counted from the second step (the first also creates the optimizer's
+    state). Parameters after 3 steps equal CPU's (foreach=False)."""
+    code = """
+import torch, torch_tpu
+torch.manual_seed(0)
+params = [torch.randn(8, 8) for _ in range(12)] + [torch.randn(8) for _ in range(12)]
+grads = [[torch.randn_like(p) for p in params] for _ in range(3)]
+
+def run(device, mode, foreach):
+    ps = [p.clone().to(device).requires_grad_() for p in params]
+    opt = torch.optim.AdamW(ps, lr=1e-2, foreach=foreach)
+    counts = []
+    with torch_tpu.eager_mode(mode):
+        for step in range(3):
+            for p, g in zip(ps, grads[step]):
+                p.grad = g.to(device)
+            torch.tpu.synchronize()
+            e = torch_tpu.metrics()["executions"]
+            opt.step()
+            torch.tpu.synchronize()
+            counts.append(torch_tpu.metrics()["executions"] - e)
+    return [p.detach().cpu() for p in ps], counts
+
+ref, _ = run("cpu", "strict", False)
+for mode in ("strict", "fused"):
+    got, counts = run("tpu", mode, True)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    print(mode, *counts)
+"""
+    results = {}
+    for bound in ("16", "4"):
+        r = run_python(code, env={"TORCH_TPU_FUSED_MAX_OPS": bound}, timeout=600)
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.strip().splitlines()[-2:]
+        results[bound] = {line.split()[0]: list(map(int, line.split()[1:])) for line in lines}
+    # The first step also creates the optimizer state (eager zeros_like...).
+    for mode in ("strict", "fused"):
+        assert results["16"][mode][1:] == [1, 1], results
+        counts = results["4"][mode]
+        assert len(set(counts[1:])) == 1 and counts[1] >= 3, results  # >= 190 calls / 64 per region
