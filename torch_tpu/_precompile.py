@@ -574,6 +574,22 @@ def _patch() -> None:
 
     guards.CheckFunctionManager.__init__ = __init__
 
+    # 7. A tensor in a saved guard scope carries its .grad, pickled as
+    #    PyTorch's _Missing sentinel unless a guard reaches it (a parameter
+    #    of a frame compiled after a backward); PyTorch 2.13's
+    #    _unpickle_tensor assigns it to .grad unconditionally (TypeError
+    #    "assigned grad expected to be a Tensor or None", so no such frame
+    #    ever loaded). As PyTorch later does (pytorch/pytorch#197755): only
+    #    a tensor is assigned; a pruned .grad loads as None (nothing guards
+    #    it). Saved entries call this classmethod by name.
+    unpickle_tensor = guards.GuardsStatePickler._unpickle_tensor.__func__
+
+    def _unpickle_tensor(cls, meta_tensor, device, pytype, dispatch_keys_raw, grad):
+        return unpickle_tensor(cls, meta_tensor, device, pytype, dispatch_keys_raw,
+                               grad if isinstance(grad, torch.Tensor) else None)
+
+    guards.GuardsStatePickler._unpickle_tensor = classmethod(_unpickle_tensor)
+
     # 6. Loading saved guards, PyTorch builds them twice: once to run the
     #    caching-precompile filter over them, then the kept ones; and that
     #    filter would drop the identity guards kept by 4. The saved guards
@@ -591,10 +607,27 @@ def _patch() -> None:
     package.load_guard_manager = _load_guard_manager
 
     # 5. An entry that fails to install leaves the package uninitialized, so
-    #    that torch.compile starts a fresh one (PyTorch re-initializes it).
+    #    that torch.compile starts a fresh one (PyTorch re-initializes it),
+    #    and no guarded code of it installed: PyTorch's uninstall() resets
+    #    the precompile entries of the package's first code only, while
+    #    install() puts them on each code's target (for a torch.nn module
+    #    compiled through external_utils.wrap_inline, the shared ``inner``
+    #    code, whose entry would then call a backend no longer installed:
+    #    NameError ``__compiled_fn_...``).
     install = package.CompilePackage.install
 
+    def _targets(codes) -> list:
+        out = []
+        for code, entry in codes.items():
+            try:
+                out.append(package._lookup_code(entry) if entry.code_source else code)
+            except Exception:
+                out.append(code)
+        return out
+
     def _install(self, backends):
+        from torch._C._dynamo.eval_frame import _reset_precompile_entries
+
         scopes = {}
         for entry in self._codes.values():
             module = sys.modules.get(entry.python_module)
@@ -607,6 +640,11 @@ def _patch() -> None:
                 self.uninstall()
             except Exception:
                 pass
+            for target in _targets(self._codes):
+                try:
+                    _reset_precompile_entries(target)
+                except Exception:
+                    pass
             for scope, before in scopes.values():  # what install added (the builtins dict)
                 for name in set(scope) - before:
                     scope.pop(name, None)
@@ -649,11 +687,16 @@ def _check_signature() -> str | None:
             return "CheckFunctionManager has no guard_filter_fn in 5th position"
         for obj, name in ((package.CompilePackage, "_add_function"), (package.CompilePackage, "install"),
                           (package.CompilePackage, "_add_user_function"), (package, "PackageError"),
-                          (package, "load_guard_manager"), (torch._guards.Guard, "create_fn_name"),
+                          (package, "load_guard_manager"), (package, "_lookup_code"),
+                          (torch._guards.Guard, "create_fn_name"),
                           (codegen.PyCodegen, "create_load_python_module"), (package, "DiskDynamoCache"),
                           (getattr(guards, "GuardsStatePickler", None), "reducer_override")):
             if not hasattr(obj, name):
                 return f"{name} is missing"
+        unpickle = getattr(getattr(guards, "GuardsStatePickler", None), "_unpickle_tensor", None)
+        if unpickle is None or list(inspect.signature(unpickle).parameters) != [
+                "meta_tensor", "device", "pytype", "dispatch_keys_raw", "grad"]:
+            return "GuardsStatePickler._unpickle_tensor has another signature"
         if not hasattr(torch._dynamo.config, "caching_precompile"):
             return "torch._dynamo.config.caching_precompile is missing"
     except Exception as e:
