@@ -96,13 +96,14 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _run(tmp_path, shapes, cache, script_text=SCRIPT, mode="safe", **extra_env):
+def _run(tmp_path, shapes, cache, script_text=SCRIPT, mode=None, **extra_env):
     """Runs a script in a fresh process; `mode`: TORCH_TPU_COMPILE_CACHE
-    (None: unset, the default: off)."""
+    (None: unset, the default: "safe")."""
     script = tmp_path / "model_script.py"
     script.write_text(script_text)
     env = dict(os.environ, TORCH_TPU_CACHE_DIR=str(cache), **extra_env)
     env.pop("TORCH_TPU_COMPILE_CACHE", None)
+    env.pop("TORCH_TPU_COMPILE_CACHE_DIR", None)  # the store under `cache`
     if mode is not None:
         env["TORCH_TPU_COMPILE_CACHE"] = mode
     r = subprocess.run([sys.executable, str(script), json.dumps(shapes)], env=env, capture_output=True,
@@ -173,11 +174,94 @@ def test_new_shape_recompiles_correctly(tmp_path, cache):
     assert warm["max_err"] <= 1e-4
 
 
-@pytest.mark.parametrize("mode", ["0", None], ids=["zero", "unset"])
-def test_disabled_with_zero_or_unset(tmp_path, cache, mode):
-    cold = _run(tmp_path, [[4, 16]], cache, mode=mode)
+def test_disabled_with_zero(tmp_path, cache):
+    cold = _run(tmp_path, [[4, 16]], cache, mode="0")
     assert cold["traced"] >= 1 and cold["max_err"] <= 1e-4
     assert _entries(cache) == []
+
+
+def test_explicit_safe_mode_serves(tmp_path, cache):
+    _run(tmp_path, [[4, 16]], cache, mode="safe")
+    warm = _run(tmp_path, [[4, 16]], cache, mode="safe")
+    assert warm["traced"] == 0 and warm["max_err"] <= 1e-4, warm
+
+
+def test_bad_mode_is_an_error(tmp_path, cache):
+    script = tmp_path / "bad.py"
+    script.write_text("import torch, torch_tpu\ntorch.compile(lambda x: x + 1, backend='tpu')(torch.ones(2).to('tpu'))\n")
+    env = dict(os.environ, TORCH_TPU_CACHE_DIR=str(cache), TORCH_TPU_COMPILE_CACHE="sometimes")
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "TORCH_TPU_COMPILE_CACHE must be" in r.stderr, r.stderr[-2000:]
+
+
+CLOSURE_SCRIPT = textwrap.dedent('''
+    import functools, json, os, warnings
+    import torch, torch_tpu
+
+    def flagged(flag):  # functools.wraps decorators: the functions stay importable by name
+        def decorate(fn):
+            @functools.wraps(fn)
+            def wrapper(x):
+                return fn(x) * 2 if flag else fn(x) - 1
+            return wrapper
+        return decorate
+
+    class Config:
+        def __init__(self, alpha):
+            self.alpha = alpha
+
+    def configured(cfg):
+        def decorate(fn):
+            @functools.wraps(fn)
+            def wrapper(x):
+                return fn(x) * cfg.alpha
+            return wrapper
+        return decorate
+
+    @flagged(os.environ["FLAG"] == "1")  # a constant in a closure cell: checked at load
+    def helper(x):
+        return x + 0.5
+
+    @configured(Config(float(os.environ["ALPHA"])))  # an object in a closure cell: not saved
+    def scaled(x):
+        return x.cos()
+
+    def uses_helper(x):
+        return helper(x).sin()
+
+    def uses_scaled(x):
+        return scaled(x).cos()
+
+    x = torch.randn(5)
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = torch.compile(uses_helper, backend="tpu")(x.to("tpu")).cpu()
+        b = torch.compile(uses_scaled, backend="tpu")(x.to("tpu")).cpu()
+    out["err"] = max((a - uses_helper(x)).abs().max().item(), (b - uses_scaled(x)).abs().max().item())
+    out["traced"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    out["warnings"] = [str(w.message) for w in caught if "compile cache" in str(w.message)]
+    print("RESULT " + json.dumps(out))
+''')
+
+
+def test_guards_through_closures(tmp_path, cache):
+    """Guards on values reached through a closure cell cannot be rebuilt
+    from a saved scope: a constant (a flag) is saved and checked once at
+    load (flipped -> the entry is ignored and the frame compiles, computing
+    the other branch as CPU); any other (an object's attribute) keeps the
+    frame out of the default store (the value could differ in another
+    process: a silently wrong result)."""
+    cold = _run(tmp_path, [], cache, script_text=CLOSURE_SCRIPT, FLAG="1", ALPHA="2.0")
+    assert cold["traced"] == 2 and cold["err"] <= 1e-5, cold
+    assert len(_entries(cache)) == 1, _entries(cache)  # uses_helper only
+    flipped = _run(tmp_path, [], cache, script_text=CLOSURE_SCRIPT, FLAG="0", ALPHA="3.0")
+    assert flipped["traced"] == 2 and flipped["err"] <= 1e-5, flipped
+    assert any("no longer is True" in w for w in flipped["warnings"]), flipped
+    # the flipped process saved its own compile (the last writer's entry)
+    same = _run(tmp_path, [], cache, script_text=CLOSURE_SCRIPT, FLAG="0", ALPHA="5.0")
+    assert same["traced"] == 1 and same["err"] <= 1e-5, same  # uses_helper loaded, uses_scaled compiled
+    assert same["warnings"] == [], same
 
 
 @pytest.mark.full_tier
@@ -384,8 +468,9 @@ TRAIN_EVAL_SCRIPT = textwrap.dedent('''
 def _run_kind(tmp_path, cache, kind, eager_mode, **env):
     script = tmp_path / "train_eval.py"
     script.write_text(TRAIN_EVAL_SCRIPT)
-    full = dict(os.environ, TORCH_TPU_CACHE_DIR=str(cache), TORCH_TPU_COMPILE_CACHE="safe",
-                TORCH_TPU_EAGER_MODE=eager_mode, **env)
+    full = dict(os.environ, TORCH_TPU_CACHE_DIR=str(cache), TORCH_TPU_EAGER_MODE=eager_mode, **env)
+    full.pop("TORCH_TPU_COMPILE_CACHE", None)  # the default: safe
+    full.pop("TORCH_TPU_COMPILE_CACHE_DIR", None)
     r = subprocess.run([sys.executable, str(script), kind], env=full, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
