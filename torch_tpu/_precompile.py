@@ -1,15 +1,14 @@
 """A warm start for ``torch.compile(model, backend="tpu")`` in a new process.
 
-Opt in (read when the ``tpu`` Dynamo backend is first looked up, with
-TORCH_TPU_CACHE_DIR enabled): ``TORCH_TPU_COMPILE_CACHE=safe`` (or
-``torch_tpu._precompile.enable("safe")``) saves the frames whose every guard
-can be checked in another process, ``TORCH_TPU_COMPILE_CACHE=1`` also the
-frames the safe mode leaves out (below); unset or ``0``: off. Off by default
-since a fresh-clone review found a crash (``NameError: __compiled_fn_...``
-after a warning "assigned grad expected to be a Tensor or None but got grad
-of type _Missing") in every second process of a model compiled, trained
-and then evaluated in one process, and entries compiled while parameters
-hold ``.grad`` that never load. A frame compiled by the tpu
+On by default in the "safe" mode (read when the ``tpu`` Dynamo backend is
+first looked up; silently off where TORCH_TPU_CACHE_DIR is disabled or this
+PyTorch lacks what it patches, ``_check_signature``):
+``TORCH_TPU_COMPILE_CACHE`` unset or ``safe`` saves the frames whose every
+guard can be checked in another process; ``1`` (or ``all``, or
+``torch_tpu._precompile.enable("all")``) also the frames the safe mode
+leaves out (below), which is what stays opt in; ``0``: off. Any other value
+raises ValueError. ``TORCH_TPU_COMPILE_CACHE_DIR`` moves the store (the
+test suite gives each session its own). A frame compiled by the tpu
 backend is saved under ``$TORCH_TPU_CACHE_DIR/dynamo/`` right after its
 compile: Dynamo's transformed bytecode and guards (PyTorch's caching
 precompile, ``torch._dynamo.config.caching_precompile``) and, per graph,
@@ -45,9 +44,16 @@ DICT_VERSION and WEAKREF_ALIVE: an id means nothing in another process. Here
   and checked once when a later process loads the entry (``_check_identities``:
   ``torch.nn.functional.gelu`` rebound to another function before
   ``torch.compile`` -> the entry is ignored and the frame compiles);
+- a guard reached through a closure cell
+  (``forward.__closure__[0].cell_contents``: a decorator's state) cannot be
+  rebuilt from a saved scope: an identity guard on a by-reference object, a
+  comparison with a constant (bool, int, float, str, None: a decorator's
+  flag), a tuple's length or a tuple/list/dict's type
+  (``_closure_constant``) is checked once at load like the above; any other
+  (the type of another object in a cell, a tensor) makes the frame unsafe;
 - default ("safe") mode: the saving process keeps Dynamo's full guards live;
   a frame that would drop any other guard (identity of an object pickled by
-  value, a dict version, a weakref) is not saved;
+  value, a dict version, a weakref, an unsafe closure guard) is not saved;
 - opt-in (``TORCH_TPU_COMPILE_CACHE=1``, "all"): those frames are saved
   too, without those guards, live and loaded, as PyTorch's caching
   precompile does. That is the part that stays opt-in: rebinding such an
@@ -73,10 +79,19 @@ decorated with ``functools.wraps`` (Hugging Face models' ``forward``), made
 here while enabled: the decorated function's globals are its defining
 module's, not ``__module__``'s; modules Dynamo's bytecode loads under a
 generated name are recorded with the entry; a wrapped function pickles by
-reference; guards reached through a closure cell
-(``forward.__closure__[0].cell_contents``) are not saved. Loading, saved
-guards are built once, as saved (PyTorch builds them a first time only to
-re-run its filter, which would drop the identity guards kept here).
+reference; guards reached through a closure cell are checked at load (above),
+not saved. Loading, saved guards are built once, as saved (PyTorch builds
+them a first time only to re-run its filter, which would drop the identity
+guards kept here). And two bugs: a tensor of the saved guard scope restores
+its pruned ``.grad`` as None (PyTorch 2.13 assigned its ``_Missing``
+sentinel: a TypeError, so no frame compiled after a backward ever loaded;
+fixed the same way upstream, pytorch/pytorch#197755); an entry that fails to
+install is removed from every code it was installed on (PyTorch's
+``uninstall`` resets only the first: a torch.nn module compiled through
+``wrap_inline`` kept a guarded code calling a backend no longer installed,
+``NameError: __compiled_fn_...``), and the frame compiles as without the
+cache. A process never loads an entry it wrote itself (its frames are
+compiled already).
 
 Imports: ``_dynamo`` -> this module -> ``_graph``; this module never imports
 ``_dynamo`` (the compilers are passed to ``aot_compile``).
@@ -147,11 +162,20 @@ def version_key() -> str:
     return h.hexdigest()[:24]
 
 
+DIR_ENV = "TORCH_TPU_COMPILE_CACHE_DIR"
+
+
 def _directory() -> str:
+    """Where entries of this version live: ``$TORCH_TPU_COMPILE_CACHE_DIR``
+    (a test session's own store) or else ``$TORCH_TPU_CACHE_DIR/dynamo``,
+    then the version key; "" when the executable cache is disabled."""
     from torch_tpu import _C
 
     base = _C.cache_dir()
-    return os.path.join(base, "dynamo", version_key()) if base else ""
+    if not base:
+        return ""
+    root = os.environ.get(DIR_ENV) or os.path.join(base, "dynamo")
+    return os.path.join(root, version_key())
 
 
 def _entry_key(fn: Any) -> str:
@@ -209,6 +233,7 @@ def _make_store():
         def __init__(self):
             super().__init__("")
             self.keys: dict[str, str] = {}  # CompilePackage.source_id -> entry file key
+            self.written: set[str] = set()  # entry files this process wrote
 
         def path_prefix(self) -> str:
             return _directory()
@@ -244,10 +269,13 @@ def _make_store():
                 return
             entry = PrecompileCacheEntry(dynamo=cache_entry, backends=backends)
             _write_atomic(path, _encode((entry, list(getattr(package, "_tpu_identities", ())))))
+            self.written.add(path)
 
         def load(self, fn):
             path = self._path(_entry_key(fn))
-            if not path or not os.path.exists(path):
+            if not path or path in self.written or not os.path.exists(path):
+                # (an entry this process wrote: its frames are compiled here
+                # already; loading it again would only add a second copy)
                 return None
             try:
                 with open(path, "rb") as f:
@@ -381,6 +409,34 @@ def _guard_verdict(g) -> str:
     return "unsafe"
 
 
+_CONSTANT_TYPES = (bool, int, float, str, type(None))
+
+
+_CONTAINER_TYPES = (tuple, list, dict)
+
+
+def _closure_constant(g) -> tuple | None:
+    """What a guard on a value reached through a closure cell checks, as a
+    description ``_check_identities`` checks at load: ("constant", type
+    name, value) for a comparison with a constant of a plain type
+    (CONSTANT_MATCH: BOOL_MATCH, EQUALS_MATCH, NONE_MATCH); ("length", type
+    name, n) for a tuple's or list's type and length (SEQUENCE_LENGTH: a
+    function's ``__defaults__``); ("type", name) for a tuple, list or dict
+    (TYPE_MATCH). None for any other guard (not checkable)."""
+    if not g.has_value:
+        return None
+    value = g.value
+    if g.guard_type == "CONSTANT_MATCH" and type(value) in _CONSTANT_TYPES:
+        if isinstance(value, float) and value != value:  # NaN: not comparable by ==
+            return None
+        return ("constant", type(value).__name__, value)
+    if g.guard_type == "SEQUENCE_LENGTH" and type(value) in (tuple, list):
+        return ("length", type(value).__name__, len(value))
+    if g.guard_type == "TYPE_MATCH" and type(value) in _CONTAINER_TYPES:
+        return ("type", type(value).__name__)
+    return None
+
+
 def _check_identities(fn: Any, entry, checks: list) -> None:
     """Raises ValueError unless each (guard source, description) saved with
     an entry still names the same module or object when evaluated against
@@ -417,7 +473,16 @@ def _check_identities(fn: Any, entry, checks: list) -> None:
             value = eval(name, namespace)  # noqa: S307 (a guard's source expression)
         except Exception as e:
             raise ValueError(f"cannot check {name} ({type(e).__name__}: {e})") from None
-        if not _by_reference(value) or _describe(value) != tuple(description):
+        if description[0] == "constant":
+            if type(value).__name__ != description[1] or value != description[2]:
+                raise ValueError(f"{name} no longer is {description[2]!r}")
+        elif description[0] == "length":
+            if type(value).__name__ != description[1] or len(value) != description[2]:
+                raise ValueError(f"{name} no longer is a {description[1]} of {description[2]}")
+        elif description[0] == "type":
+            if type(value).__name__ != description[1] or type(value) not in _CONTAINER_TYPES:
+                raise ValueError(f"{name} no longer is a {description[1]}")
+        elif not _by_reference(value) or _describe(value) != tuple(description):
             raise ValueError(f"{name} no longer is {'.'.join(map(str, description[1:]))}")
 
 
@@ -489,6 +554,10 @@ def _patch() -> None:
                 depth += 1
             if f is obj and depth:
                 return _resolve_wrapped, (obj.__module__, obj.__qualname__, depth)
+        if isinstance(obj, torch.Tensor):  # PyTorch reads .grad of non-leaf tensors too (a warning each)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+                return reducer(self, obj)
         return reducer(self, obj)
 
     guards.GuardsStatePickler.reducer_override = reducer_override
@@ -542,6 +611,14 @@ def _patch() -> None:
                     identities.append((g.name, _describe(g.value)))
                 if "__closure__" in g.name:  # not rebuilt from a saved scope (see 3.)
                     closure.append(g.name)
+                    if k and verdict == "keep":
+                        # checked once at load instead: a constant (a
+                        # decorator's flags), else the frame is not saved
+                        constant = _closure_constant(g)
+                        if constant is None:
+                            unsafe.append(f"{g.guard_type} on {g.name} (through a closure)")
+                        else:
+                            identities.append((g.name, constant))
                 out.append(bool(k) and verdict == "keep" and "__closure__" not in g.name)
             return out
 
@@ -574,6 +651,31 @@ def _patch() -> None:
 
     guards.CheckFunctionManager.__init__ = __init__
 
+    # 7. A tensor in a saved guard scope carries its .grad, pickled as
+    #    PyTorch's _Missing sentinel unless a guard reaches it (a parameter
+    #    of a frame compiled after a backward); PyTorch 2.13's
+    #    _unpickle_tensor assigns it to .grad unconditionally (TypeError
+    #    "assigned grad expected to be a Tensor or None", so no such frame
+    #    ever loaded). As PyTorch later does (pytorch/pytorch#197755): only
+    #    a tensor is assigned; a pruned .grad loads as None (nothing guards
+    #    it). Saved entries call this classmethod by name. And one fake mode
+    #    per install, not one per tensor: FakeTensorMode() records its
+    #    creation stack (traceback.extract_stack), which was 2 of the ~3 s
+    #    the encoder's 107 parameters took to unpickle.
+    def _unpickle_tensor(cls, meta_tensor, device, pytype, dispatch_keys_raw, grad):
+        from torch._subclasses.fake_tensor import FakeTensorConverter, FakeTensorMode
+
+        fake = getattr(_loading, "fake", None)
+        if fake is None:
+            fake = (FakeTensorMode(), FakeTensorConverter())
+        ret = fake[1].from_meta_and_device(fake[0], meta_tensor, device, pytype,
+                                           torch._C.DispatchKeySet.from_raw_repr(dispatch_keys_raw))
+        if isinstance(grad, torch.Tensor):
+            ret.grad = grad
+        return ret
+
+    guards.GuardsStatePickler._unpickle_tensor = classmethod(_unpickle_tensor)
+
     # 6. Loading saved guards, PyTorch builds them twice: once to run the
     #    caching-precompile filter over them, then the kept ones; and that
     #    filter would drop the identity guards kept by 4. The saved guards
@@ -591,15 +693,35 @@ def _patch() -> None:
     package.load_guard_manager = _load_guard_manager
 
     # 5. An entry that fails to install leaves the package uninitialized, so
-    #    that torch.compile starts a fresh one (PyTorch re-initializes it).
+    #    that torch.compile starts a fresh one (PyTorch re-initializes it),
+    #    and no guarded code of it installed: PyTorch's uninstall() resets
+    #    the precompile entries of the package's first code only, while
+    #    install() puts them on each code's target (for a torch.nn module
+    #    compiled through external_utils.wrap_inline, the shared ``inner``
+    #    code, whose entry would then call a backend no longer installed:
+    #    NameError ``__compiled_fn_...``).
     install = package.CompilePackage.install
 
+    def _targets(codes) -> list:
+        out = []
+        for code, entry in codes.items():
+            try:
+                out.append(package._lookup_code(entry) if entry.code_source else code)
+            except Exception:
+                out.append(code)
+        return out
+
     def _install(self, backends):
+        from torch._C._dynamo.eval_frame import _reset_precompile_entries
+
         scopes = {}
         for entry in self._codes.values():
             module = sys.modules.get(entry.python_module)
             if module is not None:
                 scopes[id(module)] = (module.__dict__, set(module.__dict__))
+        from torch._subclasses.fake_tensor import FakeTensorConverter, FakeTensorMode
+
+        _loading.fake = (FakeTensorMode(), FakeTensorConverter())  # for 7.
         try:
             install(self, backends)
         except Exception as e:
@@ -607,6 +729,11 @@ def _patch() -> None:
                 self.uninstall()
             except Exception:
                 pass
+            for target in _targets(self._codes):
+                try:
+                    _reset_precompile_entries(target)
+                except Exception:
+                    pass
             for scope, before in scopes.values():  # what install added (the builtins dict)
                 for name in set(scope) - before:
                     scope.pop(name, None)
@@ -614,6 +741,8 @@ def _patch() -> None:
             self._codes = {}
             _warn(f"cannot install a saved entry ({type(e).__name__}: {e}); compiling instead")
             raise RuntimeError(f"torch_tpu compile cache: {e}") from e
+        finally:
+            _loading.fake = None
         # Names install added (the builtins dict, "__builtins_dict___0") came
         # from another process's unique_id counter: a later compile in this
         # one must not generate them again.
@@ -649,11 +778,16 @@ def _check_signature() -> str | None:
             return "CheckFunctionManager has no guard_filter_fn in 5th position"
         for obj, name in ((package.CompilePackage, "_add_function"), (package.CompilePackage, "install"),
                           (package.CompilePackage, "_add_user_function"), (package, "PackageError"),
-                          (package, "load_guard_manager"), (torch._guards.Guard, "create_fn_name"),
+                          (package, "load_guard_manager"), (package, "_lookup_code"),
+                          (torch._guards.Guard, "create_fn_name"),
                           (codegen.PyCodegen, "create_load_python_module"), (package, "DiskDynamoCache"),
                           (getattr(guards, "GuardsStatePickler", None), "reducer_override")):
             if not hasattr(obj, name):
                 return f"{name} is missing"
+        unpickle = getattr(getattr(guards, "GuardsStatePickler", None), "_unpickle_tensor", None)
+        if unpickle is None or list(inspect.signature(unpickle).parameters) != [
+                "meta_tensor", "device", "pytype", "dispatch_keys_raw", "grad"]:
+            return "GuardsStatePickler._unpickle_tensor has another signature"
         if not hasattr(torch._dynamo.config, "caching_precompile"):
             return "torch._dynamo.config.caching_precompile is missing"
     except Exception as e:
@@ -696,12 +830,17 @@ def enable(mode: str = "all", *, quiet: bool = False) -> bool:
 
 
 def maybe_enable_from_env() -> None:
-    """TORCH_TPU_COMPILE_CACHE: unset, empty or "0": off (the default);
-    "safe": the safe mode; anything else ("1"): "all"."""
-    value = os.environ.get(ENV, "")
-    if value in ("", "0"):
+    """TORCH_TPU_COMPILE_CACHE: unset or empty: the safe mode (the default;
+    silently off where TORCH_TPU_CACHE_DIR is disabled or this PyTorch lacks
+    what the cache needs); "safe": the safe mode (warns when it cannot be
+    enabled); "0": off; "1" or "all": the "all" mode. Raises ValueError for
+    another value."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value == "0":
         return
-    enable("safe" if value == "safe" else "all")
+    if value not in ("", "safe", "1", "all"):
+        raise ValueError(f"{ENV} must be unset, 'safe', '0', '1' or 'all', not {os.environ[ENV]!r}")
+    enable("safe" if value in ("", "safe") else "all", quiet=value == "")
 
 
 # --- the artifacts: AOTAutograd's bundled entry around tpu programs ----------
@@ -760,6 +899,18 @@ def _output_code_class():
 
         def set_triton_bundle(self, triton_bundle) -> None:
             pass
+
+        def __deepcopy__(self, memo):
+            # AOTAutograd deep-copies a loaded entry to keep a serializable
+            # copy (deserialize_bundled_cache_entry); the recipe is never
+            # written after it is recorded, so the copy shares it (copying
+            # the encoder's ~100k-element recipes took ~1 s of a warm start).
+            if isinstance(self._content, str):
+                raise TypeError(f"torch_tpu: {self._content}: not copied")
+            copy = type(self).__new__(type(self))
+            copy._content, copy._fn, copy._boxed_call = self._content, None, True
+            memo[id(self)] = copy
+            return copy
 
         def __getstate__(self):
             if isinstance(self._content, str):

@@ -11,6 +11,21 @@ import pytest
 import torch
 import torch_tpu
 
+# The compile cache above Dynamo (torch_tpu._precompile) is on by default: a
+# session saves its compiled frames to a store of its own, so that no test
+# loads a frame a previous session (or, in-process, an earlier test) saved
+# and every count of compiles stays independent of what ran before. The
+# executable cache (TORCH_TPU_CACHE_DIR) stays shared. Tests of the warm
+# start set their own directories.
+if "TORCH_TPU_COMPILE_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _compile_cache_dir = tempfile.mkdtemp(prefix="torch_tpu_compile_cache_")
+    os.environ["TORCH_TPU_COMPILE_CACHE_DIR"] = _compile_cache_dir
+    atexit.register(shutil.rmtree, _compile_cache_dir, ignore_errors=True)
+
 
 # Test tiers: `make test` runs the default tier; `make test-full` sets
 # TORCH_TPU_TEST_FULL=1 (with TORCH_TPU_OPINFO_FULL and TORCH_TPU_DIST_FULL)

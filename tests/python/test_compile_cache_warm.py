@@ -96,13 +96,14 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _run(tmp_path, shapes, cache, script_text=SCRIPT, mode="safe", **extra_env):
+def _run(tmp_path, shapes, cache, script_text=SCRIPT, mode=None, **extra_env):
     """Runs a script in a fresh process; `mode`: TORCH_TPU_COMPILE_CACHE
-    (None: unset, the default: off)."""
+    (None: unset, the default: "safe")."""
     script = tmp_path / "model_script.py"
     script.write_text(script_text)
     env = dict(os.environ, TORCH_TPU_CACHE_DIR=str(cache), **extra_env)
     env.pop("TORCH_TPU_COMPILE_CACHE", None)
+    env.pop("TORCH_TPU_COMPILE_CACHE_DIR", None)  # the store under `cache`
     if mode is not None:
         env["TORCH_TPU_COMPILE_CACHE"] = mode
     r = subprocess.run([sys.executable, str(script), json.dumps(shapes)], env=env, capture_output=True,
@@ -173,11 +174,94 @@ def test_new_shape_recompiles_correctly(tmp_path, cache):
     assert warm["max_err"] <= 1e-4
 
 
-@pytest.mark.parametrize("mode", ["0", None], ids=["zero", "unset"])
-def test_disabled_with_zero_or_unset(tmp_path, cache, mode):
-    cold = _run(tmp_path, [[4, 16]], cache, mode=mode)
+def test_disabled_with_zero(tmp_path, cache):
+    cold = _run(tmp_path, [[4, 16]], cache, mode="0")
     assert cold["traced"] >= 1 and cold["max_err"] <= 1e-4
     assert _entries(cache) == []
+
+
+def test_explicit_safe_mode_serves(tmp_path, cache):
+    _run(tmp_path, [[4, 16]], cache, mode="safe")
+    warm = _run(tmp_path, [[4, 16]], cache, mode="safe")
+    assert warm["traced"] == 0 and warm["max_err"] <= 1e-4, warm
+
+
+def test_bad_mode_is_an_error(tmp_path, cache):
+    script = tmp_path / "bad.py"
+    script.write_text("import torch, torch_tpu\ntorch.compile(lambda x: x + 1, backend='tpu')(torch.ones(2).to('tpu'))\n")
+    env = dict(os.environ, TORCH_TPU_CACHE_DIR=str(cache), TORCH_TPU_COMPILE_CACHE="sometimes")
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "TORCH_TPU_COMPILE_CACHE must be" in r.stderr, r.stderr[-2000:]
+
+
+CLOSURE_SCRIPT = textwrap.dedent('''
+    import functools, json, os, warnings
+    import torch, torch_tpu
+
+    def flagged(flag):  # functools.wraps decorators: the functions stay importable by name
+        def decorate(fn):
+            @functools.wraps(fn)
+            def wrapper(x):
+                return fn(x) * 2 if flag else fn(x) - 1
+            return wrapper
+        return decorate
+
+    class Config:
+        def __init__(self, alpha):
+            self.alpha = alpha
+
+    def configured(cfg):
+        def decorate(fn):
+            @functools.wraps(fn)
+            def wrapper(x):
+                return fn(x) * cfg.alpha
+            return wrapper
+        return decorate
+
+    @flagged(os.environ["FLAG"] == "1")  # a constant in a closure cell: checked at load
+    def helper(x):
+        return x + 0.5
+
+    @configured(Config(float(os.environ["ALPHA"])))  # an object in a closure cell: not saved
+    def scaled(x):
+        return x.cos()
+
+    def uses_helper(x):
+        return helper(x).sin()
+
+    def uses_scaled(x):
+        return scaled(x).cos()
+
+    x = torch.randn(5)
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = torch.compile(uses_helper, backend="tpu")(x.to("tpu")).cpu()
+        b = torch.compile(uses_scaled, backend="tpu")(x.to("tpu")).cpu()
+    out["err"] = max((a - uses_helper(x)).abs().max().item(), (b - uses_scaled(x)).abs().max().item())
+    out["traced"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    out["warnings"] = [str(w.message) for w in caught if "compile cache" in str(w.message)]
+    print("RESULT " + json.dumps(out))
+''')
+
+
+def test_guards_through_closures(tmp_path, cache):
+    """Guards on values reached through a closure cell cannot be rebuilt
+    from a saved scope: a constant (a flag) is saved and checked once at
+    load (flipped -> the entry is ignored and the frame compiles, computing
+    the other branch as CPU); any other (an object's attribute) keeps the
+    frame out of the default store (the value could differ in another
+    process: a silently wrong result)."""
+    cold = _run(tmp_path, [], cache, script_text=CLOSURE_SCRIPT, FLAG="1", ALPHA="2.0")
+    assert cold["traced"] == 2 and cold["err"] <= 1e-5, cold
+    assert len(_entries(cache)) == 1, _entries(cache)  # uses_helper only
+    flipped = _run(tmp_path, [], cache, script_text=CLOSURE_SCRIPT, FLAG="0", ALPHA="3.0")
+    assert flipped["traced"] == 2 and flipped["err"] <= 1e-5, flipped
+    assert any("no longer is True" in w for w in flipped["warnings"]), flipped
+    # the flipped process saved its own compile (the last writer's entry)
+    same = _run(tmp_path, [], cache, script_text=CLOSURE_SCRIPT, FLAG="0", ALPHA="5.0")
+    assert same["traced"] == 1 and same["err"] <= 1e-5, same  # uses_helper loaded, uses_scaled compiled
+    assert same["warnings"] == [], same
 
 
 @pytest.mark.full_tier
@@ -326,3 +410,110 @@ def test_training_step_and_kv_cache_write_warm_equal_cold(tmp_path, cache):
         assert _close(g, c, 1e-5)
     assert _close(warm["running_mean"], warm["cpu_running_mean"], 1e-6)
     assert _close(warm["kv"], warm["kv_cpu"], 0) and warm["kv_err"] <= 1e-5
+
+
+# The reviewer's cases (issue 11): a torch.nn module compiled, trained two
+# steps (its parameters then hold .grad), switched to eval and called under
+# no_grad; the frames compiled after a backward were saved with their
+# parameters' .grad, which PyTorch 2.13 restored as its _Missing sentinel
+# (TypeError at load), and the failed install left a guarded code behind on
+# the shared wrap_inline code (NameError __compiled_fn_... in every second
+# process). Three processes in a row: each equals CPU, the second and third
+# load everything and trace nothing.
+TRAIN_EVAL_SCRIPT = textwrap.dedent('''
+    import json, os, sys, warnings
+    import torch, torch_tpu
+
+    def make(kind):
+        if kind == "linear":
+            return torch.nn.Linear(8, 4), torch.randn(6, 8)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4),
+                                   torch.nn.ReLU()), torch.randn(2, 3, 6, 6)
+
+    kind = sys.argv[1]
+    torch.manual_seed(0)
+    cpu, x = make(kind)
+    model, _ = make(kind)
+    model.load_state_dict(cpu.state_dict())
+    model = model.to("tpu")
+    out = {"losses": [], "cpu_losses": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f = torch.compile(model, backend="tpu")
+        opt, cpu_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(cpu.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            loss = f(x.to("tpu")).square().mean()
+            loss.backward()
+            opt.step()
+            out["losses"].append(loss.item())
+            cpu_opt.zero_grad()
+            cpu_loss = cpu(x).square().mean()
+            cpu_loss.backward()
+            cpu_opt.step()
+            out["cpu_losses"].append(cpu_loss.item())
+        model.eval()
+        cpu.eval()
+        with torch.no_grad():
+            got = f(x.to("tpu")).cpu()
+            want = cpu(x)
+        out["eval_err"] = (got - want).abs().max().item()
+        out["loss_err"] = max(abs(a - b) for a, b in zip(out["losses"], out["cpu_losses"]))
+    out["traced"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    out["warnings"] = [str(w.message) for w in caught if "compile cache" in str(w.message)]
+    print("RESULT " + json.dumps(out))
+''')
+
+
+def _run_kind(tmp_path, cache, kind, eager_mode, **env):
+    script = tmp_path / "train_eval.py"
+    script.write_text(TRAIN_EVAL_SCRIPT)
+    full = dict(os.environ, TORCH_TPU_CACHE_DIR=str(cache), TORCH_TPU_EAGER_MODE=eager_mode, **env)
+    full.pop("TORCH_TPU_COMPILE_CACHE", None)  # the default: safe
+    full.pop("TORCH_TPU_COMPILE_CACHE_DIR", None)
+    r = subprocess.run([sys.executable, str(script), kind], env=full, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("kind,eager_mode", [
+    ("linear", "strict"),
+    pytest.param("linear", "fused", marks=pytest.mark.full_tier),
+    pytest.param("convbn", "strict", marks=pytest.mark.full_tier),
+    pytest.param("convbn", "fused", marks=pytest.mark.full_tier),
+])
+def test_trained_then_evaluated_module_three_processes(tmp_path, cache, kind, eager_mode):
+    runs = [_run_kind(tmp_path, cache, kind, eager_mode) for _ in range(3)]
+    for i, run in enumerate(runs):
+        assert run["eval_err"] <= 1e-4 and run["loss_err"] <= 1e-4, (i, run)
+        assert run["warnings"] == [], (i, run)
+    assert runs[0]["traced"] >= 2, runs[0]  # the training graph and the no_grad eval graph
+    assert runs[1]["traced"] == 0 and runs[2]["traced"] == 0, runs  # both loaded
+
+
+def test_failed_install_compiles_cleanly(tmp_path, cache):
+    """A saved entry whose second guarded code cannot be loaded (here its
+    guard state raises) leaves nothing of it installed: the frame compiles
+    as without the cache (no NameError from the first guarded code's
+    bytecode calling a backend that is no longer installed), one warning."""
+    _run_kind(tmp_path, cache, "linear", "strict")
+    failing = tmp_path / "sitecustomize.py"
+    failing.write_text(textwrap.dedent('''
+        import torch._dynamo.package as package
+        load, calls = package.load_guards_state, []
+
+        def load_guards_state(state):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected: guard state unreadable")
+            return load(state)
+
+        package.load_guards_state = load_guards_state
+    '''))
+    run = _run_kind(tmp_path, cache, "linear", "strict",
+                    PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
+    assert run["eval_err"] <= 1e-4 and run["loss_err"] <= 1e-4, run
+    assert run["traced"] >= 2, run  # compiled, not half-loaded
+    assert any("cannot install a saved entry" in w and "injected" in w for w in run["warnings"]), run
