@@ -481,7 +481,8 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
 def enable_compile_cache() -> bool:
     """Saves compiled frames under TORCH_TPU_CACHE_DIR for a warm start in
     later processes (see torch_tpu._precompile); call before torch.compile.
-    The same as TORCH_TPU_COMPILE_CACHE=1."""
+    The same as TORCH_TPU_COMPILE_CACHE=1 (all frames, not only those the
+    default safe mode saves)."""
     return _precompile.enable()
 
 
@@ -494,4 +495,4 @@ def register() -> None:
         registry.register_backend(tpu_backend, name="tpu")
 
 
-_precompile.maybe_enable_from_env()  # TORCH_TPU_COMPILE_CACHE=safe or 1 turns it on
+_precompile.maybe_enable_from_env()  # on (safe mode) unless TORCH_TPU_COMPILE_CACHE=0; 1/all opts in to more
