@@ -1582,7 +1582,7 @@ const at::Tensor& TensorOf(const ArgResolver& arg_of, int32_t call, int16_t arg,
 }
 
 LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolver& arg_of, int default_device,
-                          const std::vector<int64_t>& donors) {
+                          const std::vector<int64_t>& donors, bool poisoned_ok) {
   auto& rt = Runtime::Get();
   LaunchInputs li;
   li.buffers.resize(inputs.size());
@@ -1592,7 +1592,8 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
     if (s.kind != InputSlot::Kind::kStorage) continue;
     const at::Tensor& t = TensorOf(arg_of, s.call, s.arg, s.item);
     if (device_index < 0) device_index = t.device().index();
-    const StorageBuffer& sb = StorageOf(t).Materialize(s.element);
+    const StorageBuffer& sb = StorageOf(t).Materialize(s.element, poisoned_ok);
+    if (!sb.checks.empty()) InheritChecks(li.checks, sb.checks);
     li.buffers[i] = sb.buffer.get();
     if (sb.buffer.use_count() == 1 && std::find(donors.begin(), donors.end(), static_cast<int64_t>(i)) != donors.end())
       li.donated.push_back(static_cast<int64_t>(i));
@@ -1663,14 +1664,23 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
   rt.metrics().executions++;
   if (!li.donated.empty()) rt.metrics().donated_buffers += static_cast<int64_t>(li.donated.size());
 
+  // The program's checks guard every storage it writes (poisoned until
+  // overwritten when one fails), as do the unresolved checks of its inputs.
+  CheckList own;
+  if (!op.check_messages.empty()) {
+    size_t check = 0;
+    for (size_t i = 0; i < op.outputs.size(); ++i)
+      if (op.outputs[i].kind == OutputSlot::Kind::kIndexCheck)
+        own.push_back(rt.AddPendingCheck(std::shared_ptr<pjrt::Buffer>(std::move(outs[i])),
+                                         op.check_messages[check++]));
+  }
   std::vector<at::Tensor> new_tensors;
-  size_t check = 0;
   for (size_t i = 0; i < op.outputs.size(); ++i) {
     const OutputSlot& o = op.outputs[i];
+    if (o.kind == OutputSlot::Kind::kIndexCheck) continue;
     StorageBuffer sb{std::shared_ptr<pjrt::Buffer>(std::move(outs[i])), o.element, o.numel, op.name};
-    if (o.kind == OutputSlot::Kind::kIndexCheck) {
-      rt.AddPendingCheck(std::move(sb.buffer), op.check_messages[check++]);
-    } else if (o.kind == OutputSlot::Kind::kNewTensor && o.dynamic) {
+    PoisonWith(sb, li.checks, own);
+    if (o.kind == OutputSlot::Kind::kNewTensor && o.dynamic) {
       std::vector<int64_t> sizes = o.sizes;
       sizes[static_cast<size_t>(o.dynamic_dim)] = TensorOf(arg_of, 0, op.poly_leader, -1).size(op.poly_dim);
       new_tensors.push_back(WrapBuffer(std::move(sb), sizes, o.dtype, li.device_index));

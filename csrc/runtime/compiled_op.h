@@ -262,15 +262,19 @@ struct LaunchInputs {
   std::vector<std::shared_ptr<pjrt::Buffer>> temps;
   std::vector<int64_t> donated;  // inputs the execution may consume
   int device_index = 0;
+  CheckList checks;  // the inputs' value checks not known to have passed: every output inherits them
 };
 using ArgResolver = std::function<const c10::IValue&(int32_t call, int16_t arg)>;
 // `donors`: the executable's inputs aliased to outputs (donor_inputs); each
 // is donated when its storage's buffer has no other holder (not shared with
 // another storage, a pending check or a transfer), so the write reuses the
 // buffer instead of allocating a new one. The caller must then give the
-// storage the aliased output.
+// storage the aliased output. An input whose value check failed raises its
+// error (the original op's), unless `poisoned_ok` (a fused region: its
+// outputs inherit the failure through LaunchInputs::checks and raise it when
+// read, so the region's other values survive).
 LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolver& arg_of, int default_device,
-                          const std::vector<int64_t>& donors = {});
+                          const std::vector<int64_t>& donors = {}, bool poisoned_ok = false);
 const at::Tensor& TensorOf(const ArgResolver& arg_of, int32_t call, int16_t arg, int16_t item);
 
 // The base lowering name of an ATen op: "aten::add_" and "aten::add.out"

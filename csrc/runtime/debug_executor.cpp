@@ -169,8 +169,21 @@ void RunDebug(const c10::OperatorHandle& op, torch::jit::Stack* stack, const low
     if (r.is_arg) written.push_back((*stack)[first + static_cast<size_t>(r.index)].toTensor());
   NonFinite in_scalars;
   std::vector<InputSnapshot> inputs = SnapshotInputs(op, *stack, in_scalars);
+  // A failed value check raises at the op, as on CPU, and leaves the
+  // written arguments as they were (CPU raises before writing): their old
+  // buffers are kept (storage buffers are immutable; holding one also keeps
+  // it from being donated) and put back.
+  std::vector<std::pair<at::Tensor, StorageBuffer>> before;
+  if (!compiled.check_messages.empty())
+    for (const auto& t : written)
+      if (StorageOf(t).initialized()) before.emplace_back(t, StorageOf(t).Materialize(StorageOf(t).current().element));
   std::vector<at::Tensor> outputs = Launch(compiled, *stack, num_args);
-  Runtime::Get().Sync();
+  try {
+    Runtime::Get().Sync();
+  } catch (...) {
+    for (auto& [t, buffer] : before) StorageOf(t).Set(std::move(buffer));
+    throw;
+  }
   for (const auto& t : outputs) CheckFinite(compiled.name, t, inputs, in_scalars);
   for (const auto& t : written) CheckFinite(compiled.name, t, inputs, in_scalars);
 }

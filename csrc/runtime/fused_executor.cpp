@@ -837,7 +837,7 @@ class FusedExecutor {
       return calls_[static_cast<size_t>(call)].args[static_cast<size_t>(arg)];
     };
     LaunchInputs li = GatherInputs(region.inputs, arg_of, CurrentDeviceIndex(calls_.front().args),
-                                   region.donor_inputs);
+                                   region.donor_inputs, /*poisoned_ok=*/true);
     std::unique_ptr<pjrt::Event> done;
     const std::string name = "fused region of " + std::to_string(calls_.size()) + " ops";
     std::vector<std::unique_ptr<pjrt::Buffer>> outs;
@@ -854,18 +854,23 @@ class FusedExecutor {
     rt.metrics().donated_buffers += static_cast<int64_t>(li.donated.size());
     rt.metrics().fused_regions++;
     rt.metrics().fused_region_outputs += static_cast<int64_t>(region.outputs.size());
+    // The region's checks and its inputs' unresolved ones guard every value
+    // it writes (per region, not per value: a failure poisons all of them).
+    CheckList own;
+    own.reserve(region.check_messages.size());
+    for (size_t i = 0; i < region.check_messages.size(); ++i)
+      own.push_back(rt.AddPendingCheck(std::shared_ptr<pjrt::Buffer>(std::move(outs[region.outputs.size() + i])),
+                                       region.check_messages[i]));
     for (size_t i = 0; i < region.outputs.size(); ++i) {
       const RegionOutput& o = region.outputs[i];
       StorageBuffer sb{std::shared_ptr<pjrt::Buffer>(std::move(outs[i])), o.element, o.numel, name};
+      PoisonWith(sb, li.checks, own);
       if (o.created >= 0) {
         created_[static_cast<size_t>(o.created)].device_storage->Set(std::move(sb));
       } else {
         StorageOf(TensorOf(arg_of, o.use.call, o.use.arg, o.use.item)).Set(std::move(sb));
       }
     }
-    for (size_t i = 0; i < region.check_messages.size(); ++i)
-      rt.AddPendingCheck(std::shared_ptr<pjrt::Buffer>(std::move(outs[region.outputs.size() + i])),
-                         region.check_messages[i]);
     if (done) rt.Track(std::move(done), name);
     (void)alive;  // kept alive until the storages are set
   }

@@ -536,11 +536,14 @@ std::vector<at::Tensor> GraphProgram::Launch(const std::vector<at::Tensor>& inpu
   FlushPendingWork();
   std::vector<pjrt::Buffer*> args(params_.size());
   std::vector<std::shared_ptr<pjrt::Buffer>> temps;
+  CheckList inherited;  // the inputs' unresolved value checks: the outputs are poisoned by them too
   for (size_t p = 0; p < params_.size(); ++p) {
     const ParamSlot& slot = params_[p];
     if (!slot.rng) {
       const InputInfo& info = inputs_[static_cast<size_t>(slot.index)];
-      args[p] = StorageOf(dense[static_cast<size_t>(slot.index)]).Materialize(info.element).buffer.get();
+      const StorageBuffer& sb = StorageOf(dense[static_cast<size_t>(slot.index)]).Materialize(info.element);
+      if (!sb.checks.empty()) InheritChecks(inherited, sb.checks);
+      args[p] = sb.buffer.get();
       continue;
     }
     at::Generator gen = at::globalContext().defaultGenerator(
@@ -599,6 +602,7 @@ std::vector<at::Tensor> GraphProgram::Launch(const std::vector<at::Tensor>& inpu
     hlo::ElementType element = lowering::ToElementType(spec.dtype);
     StorageBuffer sb{std::shared_ptr<pjrt::Buffer>(std::move(outs[i])), element, Capacity(Numel(spec.sizes)),
                      producer};
+    PoisonWith(sb, inherited, {});
     computed.push_back(WrapBuffer(std::move(sb), spec.sizes, spec.dtype, device_index));
   }
   if (done) rt.Track(std::move(done), producer);

@@ -177,7 +177,7 @@ int64_t Capacity(int64_t numel) {
   return (numel + step - 1) / step * step;
 }
 
-const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element) {
+const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element, bool poisoned_ok) {
   // A recorded region may write this storage in place (not pending then):
   // reading before it ran would see the value from before those writes.
   if (pending_ || HasPendingWork()) FlushPendingWork();
@@ -185,6 +185,12 @@ const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element) {
     throw std::runtime_error(
         "tpu: this tensor has no value: the fused region that was to compute it failed (the error was raised "
         "when it ran)");
+  if (!current_.checks.empty()) {
+    std::erase_if(current_.checks, [](const std::shared_ptr<CheckState>& c) {
+      return c->state.load(std::memory_order_acquire) == CheckState::kOk;
+    });
+    if (!poisoned_ok) RaiseIfPoisoned(current_.checks, /*resolve=*/false);
+  }
   if (current_.buffer) {
     if (ElementSize(current_.element) != ElementSize(element))
       throw std::runtime_error(std::string("tpu storage holds ") + std::string(hlo::MlirName(current_.element)) +
@@ -327,10 +333,12 @@ bool Runtime::OverwriteInPlace(StorageBuffer& buffer, const void* data, size_t n
   if (!buffer.buffer || buffer.buffer.use_count() != 1 || !Idle()) return false;
   if (!buffer.buffer->FromHostInPlace(data, nbytes)) return false;
   metrics_.host_to_device_bytes += static_cast<int64_t>(nbytes);
+  buffer.checks.clear();  // new contents from the host: no check guards them
   return true;
 }
 
 void Runtime::Download(const StorageBuffer& buffer, void* dst, size_t nbytes) {
+  if (!buffer.checks.empty()) RaiseIfPoisoned(buffer.checks, /*resolve=*/true);
   metrics_.device_to_host_bytes += static_cast<int64_t>(nbytes);
   try {
     buffer.buffer->ToHost(dst, nbytes);
@@ -359,25 +367,70 @@ namespace {
 // list of pending checks serves IndexError and RuntimeError checks.
 constexpr char kValueCheckMark = '\x01';
 
-void RaiseIfFailed(pjrt::Buffer& flag, const std::string& message) {
+// Reads a pending check's flag (once; later callers see the state).
+// Returns whether it failed.
+bool Resolve(CheckState& check) {
+  uint8_t state = check.state.load(std::memory_order_acquire);
+  if (state != CheckState::kPending) return state == CheckState::kFailed;
+  std::lock_guard<std::mutex> lock(check.mutex);
+  state = check.state.load(std::memory_order_acquire);
+  if (state != CheckState::kPending) return state == CheckState::kFailed;
   bool failed = false;
-  flag.ToHost(&failed, sizeof(failed));
-  if (!failed) return;
+  check.flag->ToHost(&failed, sizeof(failed));
+  check.flag.reset();
+  check.state.store(failed ? CheckState::kFailed : CheckState::kOk, std::memory_order_release);
+  return failed;
+}
+
+[[noreturn]] void Raise(const CheckState& check) {
+  const std::string& message = check.message;
   if (!message.empty() && message[0] == kValueCheckMark) TORCH_CHECK(false, message.substr(1));
   TORCH_CHECK_INDEX(false, message);
 }
+
+// Resolves every check of `checks`, then raises the first failed one.
+void ResolveAll(const CheckList& checks) {
+  const CheckState* first_failed = nullptr;
+  for (const auto& c : checks)
+    if (Resolve(*c) && !first_failed) first_failed = c.get();
+  if (first_failed) Raise(*first_failed);
+}
 }  // namespace
+
+void InheritChecks(CheckList& into, const CheckList& from) {
+  for (const auto& c : from) {
+    if (c->state.load(std::memory_order_acquire) == CheckState::kOk) continue;
+    if (std::find(into.begin(), into.end(), c) == into.end()) into.push_back(c);
+  }
+}
+
+void PoisonWith(StorageBuffer& out, const CheckList& inherited, const CheckList& own) {
+  if (inherited.empty() && own.empty()) return;
+  InheritChecks(out.checks, inherited);
+  InheritChecks(out.checks, own);
+}
+
+void RaiseIfPoisoned(const CheckList& checks, bool resolve) {
+  for (const auto& c : checks) {
+    bool failed = resolve ? Resolve(*c) : c->state.load(std::memory_order_acquire) == CheckState::kFailed;
+    if (failed) Raise(*c);
+  }
+}
 
 std::string Runtime::ValueCheckMessage(const std::string& message) { return kValueCheckMark + message; }
 
-void Runtime::AddPendingCheck(std::shared_ptr<pjrt::Buffer> flag, std::string message) {
-  std::vector<std::pair<std::shared_ptr<pjrt::Buffer>, std::string>> due;
+std::shared_ptr<CheckState> Runtime::AddPendingCheck(std::shared_ptr<pjrt::Buffer> flag, std::string message) {
+  auto check = std::make_shared<CheckState>();
+  check->flag = std::move(flag);
+  check->message = std::move(message);
+  CheckList due;
   {
     std::lock_guard<std::mutex> lock(checks_mutex_);
-    checks_.emplace_back(std::move(flag), std::move(message));
+    checks_.push_back(check);
     if (checks_.size() >= 1024) due.swap(checks_);  // bound the memory of a program that never syncs
   }
-  for (auto& [f, m] : due) RaiseIfFailed(*f, m);
+  ResolveAll(due);
+  return check;
 }
 
 void Runtime::Sync() {
@@ -400,14 +453,12 @@ void Runtime::Sync() {
     }
   }
   if (first_error) RethrowDeviceError(*first_error, first_name, -1);
-  std::vector<std::pair<std::shared_ptr<pjrt::Buffer>, std::string>> checks;
+  CheckList checks;
   {
     std::lock_guard<std::mutex> lock(checks_mutex_);
     checks.swap(checks_);
   }
-  for (auto& [flag, message] : checks) {
-    RaiseIfFailed(*flag, message);
-  }
+  ResolveAll(checks);  // all resolved (the storages they guard raise later), the first failure raised
 }
 
 bool Runtime::Idle() {

@@ -47,18 +47,53 @@ struct Metrics {
 // buffer reinterprets as k-wide elements as the storage does.
 int64_t Capacity(int64_t numel);
 
+// A value check of a launched program (LoweringContext::check / an index
+// check; DESIGN.md and docs/design.md, "Value checks"): a pred scalar
+// computed by the program (true: a value was bad) and the error to raise
+// then. Shared by the pending-check list (Runtime::AddPendingCheck, raised
+// once at the next sync point) and by every storage buffer the program
+// wrote or that was computed from one (StorageBuffer::checks), which
+// raises it again on every read until it is overwritten: a failed check
+// poisons what it guards, so no garbage value escapes.
+struct CheckState {
+  enum State : uint8_t { kPending, kOk, kFailed };
+  std::atomic<uint8_t> state{kPending};
+  std::mutex mutex;                    // guards flag while resolving
+  std::shared_ptr<pjrt::Buffer> flag;  // until resolved
+  std::string message;                 // Runtime::ValueCheckMessage-marked: RuntimeError, else IndexError
+};
+using CheckList = std::vector<std::shared_ptr<CheckState>>;
+
 // A device buffer holding the whole contents of one storage: rank 1,
 // `numel` elements of `element` — the buffer's own element count, at least
 // the storage's (nbytes / element size): Capacity() of it for every buffer
 // the runtime gives a storage. Elements past the storage's are padding:
 // never read as values, of no defined content. The producer names the op
-// that wrote it, for errors that surface later.
+// that wrote it, for errors that surface later. `checks`: the value checks
+// guarding these contents that are not known to have passed (pending or
+// failed; empty in the common case) — those of the program that wrote it
+// and those inherited from its inputs. Reading a buffer with a failed one
+// raises its error (Runtime::Download, DeviceStorage::Materialize).
 struct StorageBuffer {
   std::shared_ptr<pjrt::Buffer> buffer;
   hlo::ElementType element = hlo::ElementType::kF32;
   int64_t numel = 0;
   std::string producer;
+  CheckList checks;
 };
+
+// Appends to `into` the checks of `from` not known to have passed, each
+// once (a program's inputs -> the checks its outputs inherit).
+void InheritChecks(CheckList& into, const CheckList& from);
+// Gives a program's output `out` the checks it inherited from the
+// program's inputs and the program's own (the states AddPendingCheck
+// returned). A no-op when both are empty.
+void PoisonWith(StorageBuffer& out, const CheckList& inherited, const CheckList& own);
+// Raises the error of the first failed check in `checks` (RuntimeError for
+// a value check, IndexError for an index check: the original op's
+// message). `resolve`: reads the flag of pending ones first (blocks until
+// their program ran: for reads to the host); else pending ones are skipped.
+void RaiseIfPoisoned(const CheckList& checks, bool resolve);
 
 // The object behind a `tpu` storage's data pointer. Owns the storage's
 // current PJRT buffer; writers swap in a new one (DESIGN.md, "Memory model").
@@ -98,8 +133,11 @@ class DeviceStorage {
   // was never written. Runs the recorded fused region first when there is
   // one (HasPendingWork: it may write this storage, pending or not), so the
   // buffer is the storage's value in program order. Throws if the storage
-  // holds another element type of a different width.
-  const StorageBuffer& Materialize(hlo::ElementType element);
+  // holds another element type of a different width, and raises the error
+  // of a value check known to have failed on the contents (RaiseIfPoisoned)
+  // unless `poisoned_ok` (a fused region's inputs: its outputs inherit the
+  // failure instead). Checks known to have passed are dropped here.
+  const StorageBuffer& Materialize(hlo::ElementType element, bool poisoned_ok = false);
 
  private:
   size_t nbytes_;
@@ -186,14 +224,20 @@ class Runtime {
   bool OverwriteInPlace(StorageBuffer& buffer, const void* data, size_t nbytes);
   // The first `nbytes` of a device buffer (at most its size: a storage's
   // bytes without the capacity's padding) -> host, blocking; an execution
-  // error is rethrown naming `producer`.
+  // error is rethrown naming `producer`, a failed value check of the
+  // contents raised with its op's message (RaiseIfPoisoned, resolving).
   void Download(const StorageBuffer& buffer, void* dst, size_t nbytes);
 
-  // Index checks computed by launched programs (a pred scalar each: true
-  // means an index was out of range). Sync() reads them and raises an
-  // IndexError with the first failing check's message, as CPU would have
-  // raised at the op (XLA clamps out-of-range gathers silently).
-  void AddPendingCheck(std::shared_ptr<pjrt::Buffer> flag, std::string message);
+  // Value and index checks computed by launched programs (a pred scalar
+  // each: true means a value was bad). Sync() resolves them all and raises
+  // the first failing check's error (IndexError, or RuntimeError for a
+  // ValueCheckMessage), as CPU would have raised at the op (XLA clamps
+  // out-of-range gathers silently, divides by zero without a trap). The
+  // returned state must be given to every storage buffer the program wrote
+  // (PoisonWith), so the failure is raised again at each later read of
+  // them and of values computed from them. Entry point for every executor
+  // (single ops, fused regions, compiled graphs).
+  std::shared_ptr<CheckState> AddPendingCheck(std::shared_ptr<pjrt::Buffer> flag, std::string message);
   // The message of a value check (LoweringContext::check): raised as
   // RuntimeError; other check messages raise IndexError.
   static std::string ValueCheckMessage(const std::string& message);
@@ -243,7 +287,7 @@ class Runtime {
   std::mutex scalar_mutex_;
   std::vector<std::pair<ScalarKey, std::shared_ptr<pjrt::Buffer>>> scalars_;  // most recent last
   std::mutex checks_mutex_;
-  std::vector<std::pair<std::shared_ptr<pjrt::Buffer>, std::string>> checks_;
+  CheckList checks_;
   std::mutex inflight_mutex_;
   std::deque<std::pair<std::unique_ptr<pjrt::Event>, std::string>> inflight_;
   std::atomic<int64_t> allocated_{0}, peak_{0}, num_allocs_{0}, limit_{0};
