@@ -77,6 +77,7 @@ struct OpFacts {
   bool fill_or_zero = false;  // fill_ / zero_: one value for every element
   bool bernoulli = false;
   bool masked_fill = false;
+  bool index_fill = false;
   // CPU's kernel converts Scalar `value` to self's dtype with Scalar::to
   // (checked: "value cannot be converted to type int8_t without overflow"):
   // fill_, masked_fill, index_fill, scatter's value overloads.
@@ -111,6 +112,7 @@ std::unique_ptr<OpFacts> MakeFacts(const c10::OperatorHandle& op) {
   f->fill_or_zero = base == "fill" || base == "zero";
   f->bernoulli = base == "bernoulli";
   f->masked_fill = base == "masked_fill";
+  f->index_fill = base == "index_fill";
   f->checked_scalar_value =
       f->value >= 0 && (base == "fill" || base == "masked_fill" || base == "index_fill" || base == "scatter");
   f->checked_fill_value = f->fill_value >= 0 && (base == "full" || base == "full_like" || base == "new_full");
@@ -755,8 +757,13 @@ void CheckArgumentsLikeCpu(const OpFacts& f, const c10::OperatorHandle& op, cons
     TORCH_CHECK(!mask.defined() || mask.scalar_type() == at::kBool,
                 "masked_fill_ only supports boolean masks, but got mask with dtype ", mask.dtype());
   }
-  if (f.checked_scalar_value && self_tensor && at_pos(f.value)->isScalar())
-    CheckScalarFitsLikeCpu(at_pos(f.value)->toScalar(), self->toTensor().scalar_type());
+  if (f.checked_scalar_value && self_tensor && at_pos(f.value)->isScalar()) {
+    const c10::Scalar v = at_pos(f.value)->toScalar();
+    // CPU's index_fill_ refuses a complex value for a real self first.
+    TORCH_CHECK(!f.index_fill || self->toTensor().is_complex() || !v.isComplex(),
+                "index_fill_(): Converting complex Scalar to non-complex type is not supported");
+    CheckScalarFitsLikeCpu(v, self->toTensor().scalar_type());
+  }
   if (f.checked_fill_value && at_pos(f.fill_value)->isScalar()) {
     // The result's dtype: `dtype`, else self's (full_like, new_full), else
     // the one full infers from the value (which it fits, except a float

@@ -234,6 +234,8 @@ DEVICE_CASES = {
                                        "value cannot be converted to type float without overflow"),
     "index_fill_int8_overflow": (lambda x, i: x.index_fill_(0, i, 1000), [torch.zeros(3, dtype=torch.int8), torch.tensor([1])],
                                  "value cannot be converted to type int8_t without overflow"),
+    "index_fill_complex_into_float": (lambda x, i: x.index_fill_(0, i, 1 + 1j), [torch.zeros(3), torch.tensor([1])],
+                                      r"index_fill_\(\): Converting complex Scalar to non-complex type is not supported"),
     "scatter_value_int8_overflow": (lambda x, i: x.scatter_(0, i, 1000), [torch.zeros(3, dtype=torch.int8), torch.tensor([1])],
                                     "value cannot be converted to type int8_t without overflow"),
     "full_int8_overflow": (lambda x: torch.full((2,), 1000, dtype=torch.int8, device=x.device), [torch.zeros(1)],
