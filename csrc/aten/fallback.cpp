@@ -17,6 +17,7 @@
 //    one element of the written-to tensor refers to a single memory
 //    location" where CPU raises it (add_, mul_, out= ...) and computes what
 //    CPU computes where CPU allows it (index_put_, masked_fill_, ...).
+#include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/ops/result_type.h>
 #include <ATen/native/CPUFallback.h>
@@ -58,17 +59,91 @@ std::string OpName(const c10::FunctionSchema& schema) {
   return schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
 }
 
-const lowering::LoweringEntry* EntryFor(const c10::OperatorHandle& op) {
-  static std::mutex mutex;
-  static std::unordered_map<const c10::FunctionSchema*, const lowering::LoweringEntry*> entries;
+bool IsWrittenArg(const c10::Argument& a) { return a.alias_info() != nullptr && a.alias_info()->isWrite(); }
+
+// What the boxed kernel needs to know about one overload, found once per
+// schema (FactsFor) so that a call compares no argument names: the entry
+// of its lowering (nullptr: none usable eagerly; views are metadata only)
+// and the positions, from the call's first argument, of the arguments the
+// CPU-like checks read (-1: absent).
+enum class IndexOp : uint8_t { kNone, kIndexSelect, kIndexAdd, kIndexReduce, kIndexFill, kIndexCopy, kOther };
+struct OpFacts {
+  const lowering::LoweringEntry* entry = nullptr;
+  int16_t self = -1, other = -1, alpha = -1, index = -1, p = -1, mask = -1, value = -1;
+  int16_t indices = -1, values = -1, accumulate = -1, fill_value = -1, dtype = -1;
+  bool written = false;       // some argument is written (in place, out=)
+  bool out = false;           // an out= overload
+  bool self_written = false;  // self is written (in place)
+  bool fill_or_zero = false;  // fill_ / zero_: one value for every element
+  bool bernoulli = false;
+  bool masked_fill = false;
+  bool index_fill = false;
+  // CPU's kernel converts Scalar `value` to self's dtype with Scalar::to
+  // (checked: "value cannot be converted to type int8_t without overflow"):
+  // fill_, masked_fill, index_fill, scatter's value overloads.
+  bool checked_scalar_value = false;
+  // full / full_like / new_full: `fill_value` is converted the same way to
+  // the result's dtype (fill_).
+  bool checked_fill_value = false;
+  bool index_put = false;     // index_put / _index_put_impl: x[...] = v
+  bool mask_indexing = false; // index, index_put, _index_put_impl: masks among the indices
+  IndexOp index_op = IndexOp::kNone;  // `index` is checked like CPU's index_* kernels
+};
+
+std::unique_ptr<OpFacts> MakeFacts(const c10::OperatorHandle& op) {
+  auto f = std::make_unique<OpFacts>();
+  const c10::FunctionSchema& schema = op.schema();
+  const std::string base = runtime::BaseName(schema);
+  f->entry = lowering::FindLowering(base);
+  if (f->entry && f->entry->traits.graph_only) f->entry = nullptr;
+  const auto& args = schema.arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& n = args[i].name();
+    const auto pos = static_cast<int16_t>(i);
+    for (auto [name, slot] : {std::pair{"self", &f->self}, {"other", &f->other}, {"alpha", &f->alpha},
+                              {"index", &f->index}, {"p", &f->p}, {"mask", &f->mask}, {"value", &f->value},
+                              {"indices", &f->indices}, {"values", &f->values}, {"accumulate", &f->accumulate},
+                              {"fill_value", &f->fill_value}, {"dtype", &f->dtype}})
+      if (n == name && *slot < 0) *slot = pos;
+    f->written |= IsWrittenArg(args[i]);
+    f->out |= args[i].is_out();
+  }
+  f->self_written = f->self >= 0 && IsWrittenArg(args[static_cast<size_t>(f->self)]);
+  f->fill_or_zero = base == "fill" || base == "zero";
+  f->bernoulli = base == "bernoulli";
+  f->masked_fill = base == "masked_fill";
+  f->index_fill = base == "index_fill";
+  f->checked_scalar_value =
+      f->value >= 0 && (base == "fill" || base == "masked_fill" || base == "index_fill" || base == "scatter");
+  f->checked_fill_value = f->fill_value >= 0 && (base == "full" || base == "full_like" || base == "new_full");
+  f->index_put = base == "index_put" || base == "_index_put_impl";
+  f->mask_indexing = f->index_put || base == "index";
+  if (f->index >= 0 && f->entry && !f->entry->traits.index_checks.empty()) {
+    f->index_op = base == "index_select"   ? IndexOp::kIndexSelect
+                  : base == "index_add"    ? IndexOp::kIndexAdd
+                  : base == "index_reduce" ? IndexOp::kIndexReduce
+                  : base == "index_fill"   ? IndexOp::kIndexFill
+                  : base == "index_copy"   ? IndexOp::kIndexCopy
+                                           : IndexOp::kOther;
+  }
+  return f;
+}
+
+// The facts of `op`'s overload: a per-thread map in front of one shared map
+// (the mutex is taken once per overload and thread). Keyed by the schema's
+// address, as the dispatcher keeps it for the operator's lifetime.
+const OpFacts& FactsFor(const c10::OperatorHandle& op) {
   const c10::FunctionSchema* key = &op.schema();
+  thread_local std::unordered_map<const c10::FunctionSchema*, const OpFacts*> local;
+  auto it = local.find(key);
+  if (it != local.end()) return *it->second;
+  static std::mutex mutex;
+  static std::unordered_map<const c10::FunctionSchema*, std::unique_ptr<OpFacts>> all;
   std::lock_guard<std::mutex> lock(mutex);
-  auto it = entries.find(key);
-  if (it != entries.end()) return it->second;
-  const auto* entry = lowering::FindLowering(runtime::BaseName(op.schema()));
-  if (entry && entry->traits.graph_only) entry = nullptr;  // eager views are metadata only
-  entries.emplace(key, entry);
-  return entry;
+  std::unique_ptr<OpFacts>& slot = all[key];
+  if (!slot) slot = MakeFacts(op);
+  local.emplace(key, slot.get());
+  return *slot;
 }
 
 void RunOnCpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& reason) {
@@ -140,17 +215,12 @@ void MoveCpuIndicesToDevice(const c10::OperatorHandle& op, torch::jit::Stack* st
 // (the nonzero kernel, dynamic_shape_kernels.cpp); then the lowered index /
 // index_put run: the data stays on the device. A 0-d bool index (x[True])
 // is left to the general path.
-void ExpandMaskIndices(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const std::string base = runtime::BaseName(op.schema());
-  if (base != "index" && base != "index_put" && base != "_index_put_impl") return;
-  const auto& args = op.schema().arguments();
-  const size_t first = stack->size() - args.size();
-  std::optional<size_t> self_pos, indices_pos;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i].name() == "self") self_pos = first + i;
-    if (args[i].name() == "indices") indices_pos = first + i;
-  }
-  if (!self_pos || !indices_pos || !(*stack)[*indices_pos].isList()) return;
+void ExpandMaskIndices(const OpFacts& facts, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (!facts.mask_indexing || facts.self < 0 || facts.indices < 0) return;
+  const size_t first = stack->size() - op.schema().arguments().size();
+  const std::optional<size_t> self_pos = first + static_cast<size_t>(facts.self);
+  const std::optional<size_t> indices_pos = first + static_cast<size_t>(facts.indices);
+  if (!(*stack)[*indices_pos].isList()) return;
   const auto& list = (*stack)[*indices_pos].toListRef();
   bool has_mask = false;
   for (const auto& x : list) {
@@ -189,53 +259,85 @@ void ExpandMaskIndices(const c10::OperatorHandle& op, torch::jit::Stack* stack) 
   (*stack)[*indices_pos] = expanded;
 }
 
-bool IsWrittenArg(const c10::Argument& a) { return a.alias_info() != nullptr && a.alias_info()->isWrite(); }
-
-// `x[mask] = v` with one bool mask over x's leading dims and a one-element
-// value of x's dtype (index_put_ / _index_put_impl_ / index_put, accumulate
-// false) is masked_fill(mask, v), with the mask viewed with trailing size-1
-// dims: the same elements get the same value as CPU's index_put_, without
-// the count of true elements (one sync) and a program per count (ExpandMask
-// Indices). Anything else (several indices, a mask of another shape: the
-// general path raises CPU's error; values of another dtype or more
-// elements; accumulate; out=) is left to the general path. Returns true
+// `x[mask] = v` as CPU's index_put_ serves it (aten/src/ATen/native/
+// TensorAdvancedIndexing.cpp: canDispatchToMaskedFill, then
+// self.masked_fill_(mask, value.item())): accumulate false, a one-element
+// value (any shape, any dtype), and among the indices exactly one defined
+// tensor, a bool or uint8 mask over the dims it indexes (after None
+// entries: x[:, m] = v). The call is masked_fill with the mask viewed with
+// size-1 dims around it, so that, as on CPU, a uint8 mask raises
+// masked_fill_'s "only supports boolean masks" and a value of another
+// dtype is converted as a Scalar ("value cannot be converted to type int8_t
+// without overflow" where it does not fit). A value of self's dtype stays a
+// tensor (no sync for a tpu value); one of another dtype is read with
+// item(), as CPU does (a sync for a tpu value). CPU takes this path only for
+// a CPU value (CUDA's tpu-like devices: values on the device go the general
+// way); tpu values take it too, so that tpu computes what CPU computes on
+// the same inputs. Saves the count of true elements (one sync) and a
+// program per count (ExpandMaskIndices). Anything else (several indices, a
+// mask of another shape: the general path raises CPU's error; values with
+// more elements; accumulate; out=) is left to the general path. Returns true
 // when the call was served (its result on the stack).
-bool ServeMaskAssignAsMaskedFill(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const auto& args = op.schema().arguments();
-  const size_t first = stack->size() - args.size();
-  std::optional<size_t> self_pos, indices_pos, values_pos;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& n = args[i].name();
-    if (args[i].is_out()) return false;
-    if (n == "self") self_pos = first + i;
-    else if (n == "indices") indices_pos = first + i;
-    else if (n == "values") values_pos = first + i;
-    else if (n == "accumulate" && (*stack)[first + i].isBool() && (*stack)[first + i].toBool()) return false;
+bool ServeMaskAssignAsMaskedFill(const OpFacts& f, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (f.out || f.self < 0 || f.indices < 0 || f.values < 0) return false;
+  const size_t nargs = op.schema().arguments().size();
+  const size_t first = stack->size() - nargs;
+  if (f.accumulate >= 0) {
+    const c10::IValue& acc = (*stack)[first + static_cast<size_t>(f.accumulate)];
+    if (acc.isBool() && acc.toBool()) return false;
   }
-  if (!self_pos || !indices_pos || !values_pos || !(*stack)[*indices_pos].isList() ||
-      !(*stack)[*self_pos].isTensor() || !(*stack)[*values_pos].isTensor())
+  const c10::IValue& sv = (*stack)[first + static_cast<size_t>(f.self)];
+  const c10::IValue& iv = (*stack)[first + static_cast<size_t>(f.indices)];
+  const c10::IValue& vv = (*stack)[first + static_cast<size_t>(f.values)];
+  if (!sv.isTensor() || !iv.isList() || !vv.isTensor()) return false;
+  const at::Tensor self = sv.toTensor(), values = vv.toTensor();
+  if (!self.defined() || self.device().type() != kTpu || !values.defined() || values.numel() != 1 ||
+      (values.device().type() != kTpu && !values.is_cpu()))
     return false;
-  const auto& list = (*stack)[*indices_pos].toListRef();
-  if (list.size() != 1 || !list[0].isTensor()) return false;
-  const at::Tensor mask = list[0].toTensor();
-  const at::Tensor self = (*stack)[*self_pos].toTensor();
-  const at::Tensor values = (*stack)[*values_pos].toTensor();
-  if (!mask.defined() || mask.scalar_type() != at::kBool || mask.dim() == 0 || mask.dim() > self.dim() ||
-      !self.defined() || self.device().type() != kTpu || !values.defined() || values.numel() != 1 ||
-      values.dim() > 1 || values.scalar_type() != self.scalar_type() ||
-      (values.device().type() != kTpu && !(values.is_cpu() && values.dim() == 0)))
-    return false;
-  for (int64_t j = 0; j < mask.dim(); ++j)
-    if (mask.size(j) != self.size(j)) return false;
-  std::vector<int64_t> shape = mask.sizes().vec();
-  shape.resize(static_cast<size_t>(self.dim()), 1);
-  const at::Tensor m = mask.to(self.device()).view(shape);
-  const at::Tensor v = values.reshape({});
-  const bool in_place = IsWrittenArg(args[*self_pos - first]);
-  at::Tensor result = in_place ? self.masked_fill_(m, v) : self.masked_fill(m, v);
-  torch::jit::drop(*stack, args.size());
-  stack->push_back(in_place ? self : result);
+  at::Tensor mask;
+  int64_t lead = 0, indexed = 0;  // None entries before the mask; dims the indices cover
+  for (const auto& x : iv.toListRef()) {
+    if (!x.isTensor() || !x.toTensor().defined()) {
+      if (!mask.defined()) ++lead;
+      ++indexed;
+      continue;
+    }
+    const at::Tensor& t = x.toTensor();
+    if ((t.scalar_type() != at::kBool && t.scalar_type() != at::kByte) || mask.defined() || t.dim() == 0) return false;
+    mask = t;
+    indexed += t.dim();
+  }
+  if (!mask.defined() || indexed > self.dim()) return false;
+  std::vector<int64_t> shape(static_cast<size_t>(self.dim()), 1);
+  for (int64_t j = 0; j < mask.dim(); ++j) {
+    if (mask.size(j) != self.size(lead + j)) return false;
+    shape[static_cast<size_t>(lead + j)] = mask.size(j);
+  }
+  const at::Tensor m = mask.to(self.device()).reshape(shape);
+  at::Tensor result;
+  if (values.scalar_type() == self.scalar_type()) {
+    const at::Tensor v = values.reshape({});
+    result = f.self_written ? self.masked_fill_(m, v) : self.masked_fill(m, v);
+  } else {
+    const c10::Scalar v = values.item();
+    result = f.self_written ? self.masked_fill_(m, v) : self.masked_fill(m, v);
+  }
+  torch::jit::drop(*stack, nargs);
+  stack->push_back(f.self_written ? self : result);
   return true;
+}
+
+// index_put_ / _index_put_impl_ / index_put with `values` of another dtype
+// than `self`, outside ServeMaskAssignAsMaskedFill: CPU raises ("Index put
+// requires the source and destination dtypes match", after its shape
+// checks); the lowering would convert the values.
+bool IndexPutDtypesDiffer(const OpFacts& f, const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  if (f.self < 0 || f.values < 0) return false;
+  const size_t first = stack.size() - op.schema().arguments().size();
+  const c10::IValue& sv = stack[first + static_cast<size_t>(f.self)];
+  const c10::IValue& vv = stack[first + static_cast<size_t>(f.values)];
+  return sv.isTensor() && vv.isTensor() && sv.toTensor().defined() && vv.toTensor().defined() &&
+         sv.toTensor().scalar_type() != vv.toTensor().scalar_type();
 }
 
 bool HasMathBits(const at::Tensor& t) { return t.defined() && (t.is_conj() || t.is_neg()); }
@@ -323,34 +425,87 @@ void RunResolvingMathBits(const c10::OperatorHandle& op, torch::jit::Stack* stac
   }
 }
 
-// True if the call writes a tensor with internally overlapping elements
-// (at::has_internal_overlap: a zero stride over a size > 1), other than
-// fill_/zero_, whose lowerings write the same value to every element (CPU
-// allows them too).
-bool WritesOverlappingTensor(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+// The storage offsets of every element of strided view `t`, sorted
+// (duplicates kept).
+std::vector<int64_t> SortedElementOffsets(const at::Tensor& t) {
+  std::vector<int64_t> out{t.storage_offset()};
+  out.reserve(static_cast<size_t>(t.numel()));
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const size_t n = out.size();
+    for (int64_t i = 1; i < t.size(d); ++i)
+      for (size_t j = 0; j < n; ++j) out.push_back(out[j] + i * t.stride(d));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Views this large are not listed element by element: an overlap that the
+// stride test cannot rule out is then assumed (the caller runs the call on
+// the CPU mirror, which is exact either way, only slower).
+constexpr int64_t kMaxListedElements = int64_t{1} << 18;
+
+// Whether two elements of strided view `t` are one memory location, where
+// at::has_internal_overlap says TooHard (no zero stride over a size > 1, not
+// non-overlapping-and-dense: slices with a step, transposes, as_strided).
+// Exact: with the dims of size > 1 sorted by |stride|, a stride larger than
+// the extent of all smaller ones together (sum of |stride| * (size - 1)) at
+// every step proves distinct offsets (a[::2], x.t(), x[:, 1:]); otherwise the
+// offsets are listed and compared (a.as_strided((4, 4), (2, 1)) overlaps,
+// a.as_strided((2, 2), (3, 2)) does not); beyond kMaxListedElements an
+// overlap is assumed.
+bool HasSelfOverlap(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (|stride|, size), size > 1
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) > 1) dims.emplace_back(std::abs(t.stride(d)), t.size(d));
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 0;
+  bool proven = true;
+  for (const auto& [stride, size] : dims) {
+    if (stride <= extent) {
+      proven = false;
+      break;
+    }
+    extent += stride * (size - 1);
+  }
+  if (proven) return false;
+  if (t.numel() > kMaxListedElements) return true;
+  const std::vector<int64_t> offsets = SortedElementOffsets(t);
+  return std::adjacent_find(offsets.begin(), offsets.end()) != offsets.end();
+}
+
+// True if the call writes a tpu tensor two of whose elements are one memory
+// location: a zero stride over a size > 1 (at::has_internal_overlap Yes:
+// x.expand(3).add_(1), where CPU raises "unsupported operation: more than
+// one element of the written-to tensor refers to a single memory
+// location"), or a TooHard layout with a shared element (HasSelfOverlap:
+// a.as_strided((4, 4), (2, 1)).mul_(2), which CPU computes in its own
+// element order, reading elements it wrote); such a call runs on the CPU
+// mirror, which gives CPU's error or values. fill_/zero_ are left out: their
+// lowerings write the same value to every element, as CPU does.
+bool WritesOverlappingTensor(const OpFacts& facts, const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  if (!facts.written || facts.fill_or_zero) return false;
   const auto& args = op.schema().arguments();
   const size_t first = stack.size() - args.size();
   bool overlap = false;
-  for (size_t i = 0; i < args.size(); ++i) {
+  for (size_t i = 0; i < args.size() && !overlap; ++i) {
     if (!IsWrittenArg(args[i])) continue;
     ForEachTensor(stack[first + i], [&](const at::Tensor& t) {
-      overlap |= t.defined() && t.device().type() == kTpu && at::has_internal_overlap(t) == at::MemOverlap::Yes;
+      if (overlap || !t.defined() || t.device().type() != kTpu) return;
+      const at::MemOverlap status = at::has_internal_overlap(t);
+      overlap = status == at::MemOverlap::Yes || (status == at::MemOverlap::TooHard && HasSelfOverlap(t));
     });
   }
-  if (!overlap) return false;
-  const std::string base = runtime::BaseName(op.schema());
-  return base != "fill" && base != "zero";
+  return overlap;
 }
 
 // Whether two strided views of one storage (same element size) share an
 // element, exactly: disjoint byte ranges, or offsets that differ modulo the
 // gcd of all strides (a[::2] and a[1::2], the columns of a matrix), share
 // none; otherwise both views' element offsets are listed, sorted and merged
-// when they hold at most kMaxListed elements together; larger views are
+// when they hold at most kMaxListedElements together; larger views are
 // assumed to share one (the caller then runs the call on the CPU mirror,
 // which is exact either way, only slower).
 bool ViewsShareAnElement(const at::Tensor& a, const at::Tensor& b) {
-  constexpr int64_t kMaxListed = int64_t{1} << 18;
   auto span = [](const at::Tensor& t) {
     int64_t lo = t.storage_offset(), hi = t.storage_offset();
     for (int64_t d = 0; d < t.dim(); ++d) {
@@ -367,18 +522,8 @@ bool ViewsShareAnElement(const at::Tensor& a, const at::Tensor& b) {
     for (int64_t d = 0; d < t->dim(); ++d)
       if (t->size(d) > 1) g = std::gcd(g, std::abs(t->stride(d)));
   if (g > 1 && (a.storage_offset() - b.storage_offset()) % g != 0) return false;
-  if (a.numel() + b.numel() > kMaxListed) return true;
-  auto offsets = [](const at::Tensor& t) {
-    std::vector<int64_t> out{t.storage_offset()};
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      const size_t n = out.size();
-      for (int64_t i = 1; i < t.size(d); ++i)
-        for (size_t j = 0; j < n; ++j) out.push_back(out[j] + i * t.stride(d));
-    }
-    std::sort(out.begin(), out.end());
-    return out;
-  };
-  const std::vector<int64_t> ao = offsets(a), bo = offsets(b);
+  if (a.numel() + b.numel() > kMaxListedElements) return true;
+  const std::vector<int64_t> ao = SortedElementOffsets(a), bo = SortedElementOffsets(b);
   for (size_t i = 0, j = 0; i < ao.size() && j < bo.size();) {
     if (ao[i] == bo[j]) return true;
     (ao[i] < bo[j]) ? ++i : ++j;
@@ -567,47 +712,86 @@ bool WritesSharedStorage(const c10::OperatorHandle& op, const torch::jit::Stack&
 //   "Found dtype <out> but expected <self>");
 // - `alpha` of the wrong kind for the result dtype (add/sub/rsub:
 //   ATen's alpha_check over result_type(self, other));
-// - an index tensor of a dtype CPU's index_* kernels refuse
-//   (CheckIndexDtypeLikeCpu);
+// - an index tensor of a dimensionality or dtype CPU's index_* kernels
+//   refuse (CheckIndexLikeCpu);
+// - a non-bool mask for masked_fill (CPU's "masked_fill_ only supports
+//   boolean masks");
+// - a Scalar `value` that does not fit self's dtype for fill_, masked_fill
+//   and index_fill (CPU's kernels convert it with Scalar::to, which raises
+//   "value cannot be converted to type int8_t without overflow"; the
+//   lowerings would wrap or saturate it);
 // - a float `p` outside [0, 1] for bernoulli (CPU's bernoulli_ check; a
 //   tensor p is checked on its values by the lowering, lowering/random.cpp).
-void CheckIndexDtypeLikeCpu(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t index_pos);
+// The argument positions come from the overload's OpFacts: a call compares
+// no names.
+void CheckIndexLikeCpu(IndexOp op, const at::Tensor& index);
 
-void CheckArgumentsLikeCpu(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
-                           const lowering::LoweringEntry& entry) {
+void CheckScalarFitsLikeCpu(const c10::Scalar& value, at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBool: case at::kByte: case at::kChar: case at::kShort: case at::kInt: case at::kLong:
+    case at::kHalf: case at::kBFloat16: case at::kFloat: case at::kDouble: case at::kComplexFloat:
+    case at::kComplexDouble:
+      AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND3(at::kBool, at::kHalf, at::kBFloat16, dtype, "fill_",
+                                             [&] { (void)value.to<scalar_t>(); });
+      return;
+    default:
+      return;  // other dtypes: as the lowering converts
+  }
+}
+
+void CheckArgumentsLikeCpu(const OpFacts& f, const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
   const auto& args = op.schema().arguments();
   const size_t first = stack.size() - args.size();
-  std::optional<size_t> self, other, alpha;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i].name() == "self") self = i;
-    else if (args[i].name() == "other") other = i;
-    else if (args[i].name() == "alpha") alpha = i;
-    else if (args[i].name() == "index" && !entry.traits.index_checks.empty() && stack[first + i].isTensor())
-      CheckIndexDtypeLikeCpu(op, stack, first + i);
-    else if (args[i].name() == "p" && stack[first + i].isDouble()) {
-      const double p = stack[first + i].toDouble();
-      if (!(p >= 0 && p <= 1) && runtime::BaseName(op.schema()) == "bernoulli")
-        TORCH_CHECK(false, "bernoulli_ expects p to be in [0, 1], but got p=", p);
-    }
+  auto at_pos = [&](int16_t pos) -> const c10::IValue* {
+    return pos < 0 ? nullptr : &stack[first + static_cast<size_t>(pos)];
+  };
+  const c10::IValue* self = at_pos(f.self);
+  const bool self_tensor = self && self->isTensor() && self->toTensor().defined();
+  if (f.index_op != IndexOp::kNone && at_pos(f.index)->isTensor()) CheckIndexLikeCpu(f.index_op, at_pos(f.index)->toTensor());
+  if (f.bernoulli && f.p >= 0 && at_pos(f.p)->isDouble()) {
+    const double p = at_pos(f.p)->toDouble();
+    TORCH_CHECK(p >= 0 && p <= 1, "bernoulli_ expects p to be in [0, 1], but got p=", p);
   }
-  if (entry.traits.out_same_dtype && self && stack[first + *self].isTensor()) {
-    const at::Tensor& s = stack[first + *self].toTensor();
+  if (f.masked_fill && f.mask >= 0 && at_pos(f.mask)->isTensor()) {
+    const at::Tensor& mask = at_pos(f.mask)->toTensor();
+    TORCH_CHECK(!mask.defined() || mask.scalar_type() == at::kBool,
+                "masked_fill_ only supports boolean masks, but got mask with dtype ", mask.dtype());
+  }
+  if (f.checked_scalar_value && self_tensor && at_pos(f.value)->isScalar()) {
+    const c10::Scalar v = at_pos(f.value)->toScalar();
+    // CPU's index_fill_ refuses a complex value for a real self first.
+    TORCH_CHECK(!f.index_fill || self->toTensor().is_complex() || !v.isComplex(),
+                "index_fill_(): Converting complex Scalar to non-complex type is not supported");
+    CheckScalarFitsLikeCpu(v, self->toTensor().scalar_type());
+  }
+  if (f.checked_fill_value && at_pos(f.fill_value)->isScalar()) {
+    // The result's dtype: `dtype`, else self's (full_like, new_full), else
+    // the one full infers from the value (which it fits, except a float
+    // value into the default dtype).
+    const c10::Scalar v = at_pos(f.fill_value)->toScalar();
+    const c10::IValue* dtype = at_pos(f.dtype);
+    if (dtype && dtype->isInt()) CheckScalarFitsLikeCpu(v, static_cast<at::ScalarType>(dtype->toInt()));
+    else if (self_tensor) CheckScalarFitsLikeCpu(v, self->toTensor().scalar_type());
+    else if (v.isFloatingPoint()) CheckScalarFitsLikeCpu(v, c10::typeMetaToScalarType(c10::get_default_dtype()));
+  }
+  if (f.entry->traits.out_same_dtype && self_tensor && f.out) {
+    const at::Tensor& s = self->toTensor();
     for (size_t i = 0; i < args.size(); ++i) {
       if (!args[i].is_out() || !stack[first + i].isTensor()) continue;
       const at::Tensor& out = stack[first + i].toTensor();
-      if (s.defined() && out.defined())
+      if (out.defined())
         TORCH_CHECK(out.scalar_type() == s.scalar_type(), "Found dtype ", out.scalar_type(), " but expected ",
                     s.scalar_type());
     }
   }
-  if (alpha && self && other && stack[first + *alpha].isScalar() && stack[first + *self].isTensor()) {
-    const c10::Scalar a = stack[first + *alpha].toScalar();
+  const c10::IValue* alpha = at_pos(f.alpha);
+  if (alpha && f.other >= 0 && alpha->isScalar() && self_tensor) {
+    const c10::Scalar a = alpha->toScalar();
     // An integral, non-bool alpha (the default 1) passes every check below:
     // no result_type per call.
     if (a.isIntegral(false)) return;
-    const c10::IValue& o = stack[first + *other];
-    const at::Tensor& s = stack[first + *self].toTensor();
-    if (!s.defined()) return;
+    const c10::IValue& o = *at_pos(f.other);
+    const at::Tensor& s = self->toTensor();
     at::ScalarType dtype;
     if (o.isTensor() && o.toTensor().defined()) dtype = at::result_type(s, o.toTensor());
     else if (o.isScalar()) dtype = at::result_type(s, o.toScalar());
@@ -620,38 +804,57 @@ void CheckArgumentsLikeCpu(const c10::OperatorHandle& op, const torch::jit::Stac
   }
 }
 
-// The dtypes CPU's index_* kernels accept for their `index` tensor, and
-// their errors (aten/src/ATen/native/TensorAdvancedIndexing.cpp, Indexing.cpp),
-// raised before the call: the meta kernels accept any dtype, and the
-// lowerings would read a float index as positions. gather/scatter run on the
-// CPU for a non-integer index (their lowerings refuse it), which raises there.
-void CheckIndexDtypeLikeCpu(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t index_pos) {
-  const at::Tensor& index = stack[index_pos].toTensor();
+// The dimensionality and dtypes CPU's index_* kernels accept for their
+// `index` tensor, checked in CPU's order with CPU's errors
+// (aten/src/ATen/native/TensorAdvancedIndexing.cpp: index_select_out_cpu_,
+// index_func_meta_impl, index_copy's meta, index_fill_), before the call:
+// the meta kernels accept a 2-d index for index_select and index_reduce
+// (the lowering would then return rows where CPU raises) and any dtype (the
+// lowerings would read a float index as positions). gather/scatter run on
+// the CPU for a non-integer index (their lowerings refuse it), which raises
+// there.
+void CheckIndexLikeCpu(IndexOp op, const at::Tensor& index) {
   if (!index.defined()) return;
   const at::ScalarType t = index.scalar_type();
-  if (t == at::kLong) return;
-  const std::string base = runtime::BaseName(op.schema());
-  if (base == "index_fill") TORCH_CHECK_INDEX(false, "index_fill_(): Expected dtype int64 for index.");
-  if (base == "index_copy")
-    TORCH_CHECK(false, "index_copy_(): Expected a long tensor for index, but got ", t);
-  if (t == at::kInt) return;
-  if (base == "index_add" || base == "index_reduce")
-    TORCH_CHECK(false, base, "_(): Expected dtype int32/int64 for index but got: ", t);
-  if (base == "index_select") TORCH_CHECK(false, "index_select(): Expected dtype int32 or int64 for index");
+  switch (op) {
+    case IndexOp::kIndexSelect:
+      TORCH_CHECK_INDEX(index.dim() <= 1, "index_select(): Index is supposed to be a vector");
+      TORCH_CHECK(t == at::kLong || t == at::kInt, "index_select(): Expected dtype int32 or int64 for index");
+      return;
+    case IndexOp::kIndexAdd:
+    case IndexOp::kIndexReduce: {
+      const char* func = op == IndexOp::kIndexAdd ? "index_add" : "index_reduce";
+      TORCH_CHECK_INDEX(index.dim() <= 1, func, "_(): Index is supposed to be a vector, but got dim: ", index.dim(),
+                        " with type: ", t, " and size: ", index.sizes());
+      TORCH_CHECK(t == at::kLong || t == at::kInt, func, "_(): Expected dtype int32/int64 for index but got: ", t);
+      return;
+    }
+    case IndexOp::kIndexCopy:
+      TORCH_CHECK_INDEX(index.dim() < 2, "index_copy_(): Index should have dimension 1 or 0 (got ", index.dim(), ")");
+      TORCH_CHECK(t == at::kLong, "index_copy_(): Expected a long tensor for index, but got ", t);
+      return;
+    case IndexOp::kIndexFill:
+      TORCH_CHECK_INDEX(t == at::kLong, "index_fill_(): Expected dtype int64 for index.");
+      return;
+    default:
+      return;
+  }
 }
 
 void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const lowering::LoweringEntry* entry = EntryFor(op);
-  if (entry) CheckArgumentsLikeCpu(op, *stack, *entry);
+  const OpFacts& facts = FactsFor(op);
+  const lowering::LoweringEntry* entry = facts.entry;
+  if (entry) CheckArgumentsLikeCpu(facts, op, *stack);
   if (AnyMathBits(op, *stack)) return RunResolvingMathBits(op, stack);
-  if (WritesOverlappingTensor(op, *stack) || WritesPartlyOverlappingArgument(op, *stack))
+  if (facts.written && (WritesOverlappingTensor(facts, op, *stack) || WritesPartlyOverlappingArgument(op, *stack)))
     return RunOnCpuMirror(op, stack);
   if (entry) {
-    static const lowering::LoweringEntry* const index_put = lowering::FindLowering("index_put");
-    static const lowering::LoweringEntry* const index_put_impl = lowering::FindLowering("_index_put_impl");
-    if ((entry == index_put || entry == index_put_impl) && ServeMaskAssignAsMaskedFill(op, stack)) return;
+    if (facts.index_put) {
+      if (ServeMaskAssignAsMaskedFill(facts, op, stack)) return;
+      if (IndexPutDtypesDiffer(facts, op, *stack)) return RunOnCpuMirror(op, stack);  // raises CPU's error
+    }
     MoveCpuIndicesToDevice(op, stack, *entry);
-    ExpandMaskIndices(op, stack);
+    ExpandMaskIndices(facts, op, stack);
   }
   if (!entry) return RunOnCpu(op, stack, "no lowering");
   try {
@@ -782,16 +985,21 @@ void RegisterLoweredOpsDirectly() {
   }
 }
 
-// kernels.cpp's tpu-to-tpu copy_: whether dst and src (tpu tensors without
-// math bits) are views of one storage sharing elements in different layouts,
-// a TooHard overlap CPU's copy_ does not reject (at::assert_no_partial_overlap
-// covers the Partial ones) but defines by its element order; if so the copy
-// runs on the CPU mirror (RunOnCpuMirror), giving CPU's result, and true is
-// returned.
+// kernels.cpp's copy_ into a tpu tensor: whether dst (no math bits) has
+// elements that are one memory location in a layout CPU's copy_ accepts
+// (HasSelfOverlap: as_strided((4, 4), (2, 1)), where the last write in CPU's
+// element order wins), or src is a tpu view of dst's storage sharing elements
+// in a different layout (a TooHard overlap CPU's copy_ does not reject:
+// at::assert_no_partial_overlap covers the Partial ones; CPU's element order
+// defines the result). If so the copy runs on the CPU mirror
+// (RunOnCpuMirror; a CPU src is read as it is), giving CPU's result, and
+// true is returned.
 bool CopyOnCpuIfOverlapping(const at::Tensor& dst, const at::Tensor& src) {
-  if (dst.numel() == 0 || src.numel() == 0 || !dst.has_storage() || !src.has_storage() || dst.is_same(src) ||
-      !dst.storage().is_alias_of(src.storage()) || !PartlyOverlapping(dst, src))
-    return false;
+  if (dst.numel() == 0 || src.numel() == 0 || !dst.has_storage()) return false;
+  const bool self_overlap = at::has_internal_overlap(dst) == at::MemOverlap::TooHard && HasSelfOverlap(dst);
+  const bool shared = src.device().type() == kTpu && src.has_storage() && !dst.is_same(src) &&
+                      dst.storage().is_alias_of(src.storage()) && PartlyOverlapping(dst, src);
+  if (!self_overlap && !shared) return false;
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
   torch::jit::Stack stack{dst, src, false};
   RunOnCpuMirror(op, &stack);

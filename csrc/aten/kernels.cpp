@@ -232,9 +232,11 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst_logical, bool n
   // As CPU's copy_ (its TensorIterator): dst partly overlapping src raises;
   // a tpu storage's data pointer is a unique address, so offsets compare.
   if (dst_tpu && src_tpu) at::assert_no_partial_overlap(dst_logical, src);
-  // Views of one storage sharing elements in other layouts (a non-dense
-  // view: TooHard above): CPU's element order defines the result.
-  if (dst_tpu && src_tpu && !src.is_conj() && !src.is_neg() && !dst_logical.is_conj() && !dst_logical.is_neg() && src.device() == dst_logical.device() &&
+  // A dst whose elements overlap in a layout CPU accepts (TooHard above),
+  // or views of one storage sharing elements in other layouts: CPU's
+  // element order defines the result.
+  if (dst_tpu && !dst_logical.is_conj() && !dst_logical.is_neg() &&
+      (src.is_cpu() || (src_tpu && !src.is_conj() && !src.is_neg() && src.device() == dst_logical.device())) &&
       CopyOnCpuIfOverlapping(dst_logical, src))
     return dst_logical;
   auto& rt = Runtime::Get();

@@ -194,6 +194,54 @@ DEVICE_CASES = {
                                  r"index_reduce_\(\): Expected dtype int32/int64 for index"),
     "index_select_float_index": (lambda x, i: x.index_select(0, i), [torch.zeros(3), torch.tensor([0.])],
                                  r"index_select\(\): Expected dtype int32 or int64 for index"),
+    # index dimensionality: CPU checks it before the dtype (IndexError); the
+    # meta kernels of index_select and index_reduce accept a 2-d index
+    "index_select_2d_one_element_index": (lambda x, i: x.index_select(0, i), [torch.zeros(3, 2), torch.tensor([[1]])],
+                                          r"index_select\(\): Index is supposed to be a vector"),
+    "index_select_2d_index": (lambda x, i: torch.index_select(x, 0, i), [torch.zeros(3, 2), torch.tensor([[1, 2]])],
+                              r"index_select\(\): Index is supposed to be a vector"),
+    "index_select_2d_float_index": (lambda x, i: x.index_select(0, i), [torch.zeros(3, 2), torch.tensor([[1.]])],
+                                    r"index_select\(\): Index is supposed to be a vector"),
+    "index_reduce_2d_index": (lambda x, i, s: x.index_reduce(0, i, s, "prod"),
+                              [torch.zeros(3, 2), torch.tensor([[1]]), torch.ones(1, 2)],
+                              r"index_reduce_\(\): Index is supposed to be a vector, but got dim: 2 with type: Long"),
+    "index_reduce_2d_float_index": (lambda x, i, s: x.index_reduce(0, i, s, "amax"),
+                                    [torch.zeros(3, 2), torch.tensor([[1.]]), torch.ones(1, 2)],
+                                    r"index_reduce_\(\): Index is supposed to be a vector, but got dim: 2 with type: Float"),
+    "index_add_2d_float_index": (lambda x, i, s: x.index_add(0, i, s),
+                                 [torch.zeros(3, 2), torch.tensor([[1.]]), torch.ones(1, 2)],
+                                 r"index_add_\(\): Index is supposed to be a vector, but got dim: 2"),
+    "index_copy_2d_float_index": (lambda x, i, s: x.index_copy(0, i, s),
+                                  [torch.zeros(3, 2), torch.tensor([[1.]]), torch.ones(1, 2)],
+                                  r"index_copy_\(\): Index should have dimension 1 or 0 \(got 2\)"),
+    "index_fill_2d_index": (lambda x, i: x.index_fill(0, i, 7.), [torch.zeros(3, 2), torch.tensor([[1]])],
+                            r"Index has to be a vector/scalar"),
+    # masked_fill's mask must be bool (the meta kernel accepts uint8)
+    "masked_fill_uint8_mask": (lambda x, m: x.masked_fill_(m, 5.), [torch.zeros(3), torch.tensor([1, 0, 1], dtype=torch.uint8)],
+                               "masked_fill_ only supports boolean masks, but got mask with dtype unsigned char"),
+    "masked_fill_uint8_mask_functional": (lambda x, m: x.masked_fill(m, 5.),
+                                          [torch.zeros(3), torch.tensor([1, 0, 1], dtype=torch.uint8)],
+                                          "masked_fill_ only supports boolean masks"),
+    # a Scalar value that does not fit self's dtype: CPU's Scalar::to raises
+    # (the lowerings wrapped it: 1000 -> -24 in int8)
+    "fill_int8_overflow": (lambda x: x.fill_(1000), [torch.zeros(3, dtype=torch.int8)],
+                           "value cannot be converted to type int8_t without overflow"),
+    "fill_half_overflow": (lambda x: x.fill_(1e6), [torch.zeros(3, dtype=torch.half)],
+                           "value cannot be converted to type c10::Half without overflow"),
+    "masked_fill_int8_overflow": (lambda x: x.masked_fill_(x == 0, 1000), [torch.zeros(3, dtype=torch.int8)],
+                                  "value cannot be converted to type int8_t without overflow"),
+    "masked_fill_complex_into_float": (lambda x: x.masked_fill(x == 0, 1 + 2j), [torch.zeros(3)],
+                                       "value cannot be converted to type float without overflow"),
+    "index_fill_int8_overflow": (lambda x, i: x.index_fill_(0, i, 1000), [torch.zeros(3, dtype=torch.int8), torch.tensor([1])],
+                                 "value cannot be converted to type int8_t without overflow"),
+    "index_fill_complex_into_float": (lambda x, i: x.index_fill_(0, i, 1 + 1j), [torch.zeros(3), torch.tensor([1])],
+                                      r"index_fill_\(\): Converting complex Scalar to non-complex type is not supported"),
+    "scatter_value_int8_overflow": (lambda x, i: x.scatter_(0, i, 1000), [torch.zeros(3, dtype=torch.int8), torch.tensor([1])],
+                                    "value cannot be converted to type int8_t without overflow"),
+    "full_int8_overflow": (lambda x: torch.full((2,), 1000, dtype=torch.int8, device=x.device), [torch.zeros(1)],
+                           "value cannot be converted to type int8_t without overflow"),
+    "full_like_uint8_overflow": (lambda x: torch.full_like(x, 300), [torch.zeros(2, dtype=torch.uint8)],
+                                 "value cannot be converted to type uint8_t without overflow"),
 }
 CASES.update(DEVICE_CASES)
 
@@ -407,3 +455,159 @@ def test_full_and_disjoint_overlaps_still_run_natively():
     a.view(2, 5)[:, 1:].mul_(a.view(2, 5)[:, 1:])
     a.view(2, 5)[:, 0].copy_(a.view(2, 5)[:, 4])
     torch.testing.assert_close(got, a)
+
+
+# Writes to a tensor whose elements are one memory location. as_strided
+# layouts with a shared element are TooHard for at::has_internal_overlap:
+# CPU does not raise and computes in its own element order, reading elements
+# it wrote (a.as_strided((4, 4), (2, 1)).mul_(2) gives 2, 4, 12, 16, ...);
+# an expanded tensor (a zero stride) makes CPU raise.
+SELF_OVERLAP = {
+    "mul_scalar": lambda a: a.as_strided((4, 4), (2, 1)).mul_(2),
+    "add_scalar": lambda a: a.as_strided((4, 4), (2, 1)).add_(1),
+    "add_itself": lambda a: a.as_strided((4, 4), (2, 1)).add_(a.as_strided((4, 4), (2, 1))),
+    "sub_tensor": lambda a: a.as_strided((3, 3), (2, 1)).sub_(torch.ones(3, 3, device=a.device)),
+    "copy_from_device": lambda a: a.as_strided((4, 4), (2, 1)).copy_(torch.arange(16., device=a.device).view(4, 4)),
+    "copy_from_cpu": lambda a: a.as_strided((4, 4), (2, 1)).copy_(torch.arange(16.).view(4, 4)),
+    "add_out": lambda a: torch.add(torch.arange(16., device=a.device).view(4, 4), 1, out=a.as_strided((4, 4), (2, 1))),
+    "clamp_": lambda a: a.as_strided((2, 5), (1, 1)).clamp_(max=6.),
+    "expand_add_": lambda a: a[:1].expand(3).add_(1),
+    "expand_mul_tensor": lambda a: a[:2].view(2, 1).expand(2, 3).mul_(torch.ones(2, 3, device=a.device)),
+    "expand_copy_": lambda a: a[:1].expand(3).copy_(torch.arange(3., device=a.device)),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", sorted(SELF_OVERLAP))
+def test_self_overlapping_write_runs_like_cpu(case, mode):
+    """A written tensor with internally overlapping elements (csrc/aten/
+    fallback.cpp WritesOverlappingTensor/HasSelfOverlap, kernels.cpp copy_)
+    runs on the CPU mirror: CPU's values where CPU computes (before: tpu
+    wrote each element once, 2, 4, 6, ... for mul_), CPU's exception and
+    message where it raises. Twice, so that strict mode's second call (its
+    program, after the host-first one) is covered."""
+    fn = SELF_OVERLAP[case]
+    for _ in range(2):
+        cpu_in = torch.arange(1., 11.)
+        try:
+            fn(cpu_in)
+            cpu_err = None
+        except RuntimeError as e:
+            cpu_err = e
+        t = torch.arange(1., 11., device=TPU)
+        err = _tpu_error(lambda: fn(t), (), mode)
+        if cpu_err is None:
+            assert err is None, err
+            torch.testing.assert_close(t.cpu(), cpu_in, rtol=0, atol=0)
+        else:
+            assert type(err) is type(cpu_err), (err, cpu_err)
+            assert "more than one element of the written-to tensor refers to a single memory location" in str(err), err
+            assert "more than one element of the written-to tensor" in str(cpu_err), cpu_err
+
+
+def test_views_without_shared_elements_still_run_natively():
+    """Non-dense written views whose elements are distinct (TooHard for
+    at::has_internal_overlap: steps, transposes, as_strided with gaps) are
+    proven free of overlap (by strides, or by listing the offsets) and run
+    on tpu: no CPU fallback, CPU's values."""
+    from conftest import no_cpu_fallback
+
+    def ops(a):
+        a[::2].mul_(3)
+        a[:12].view(3, 4).t().add_(1)
+        a[:12].view(3, 4)[:, 1:3].sub_(2)
+        a.as_strided((2, 2), (3, 2)).mul_(5)  # offsets 0, 2, 3, 5: the stride test fails, the listing proves it
+        a.as_strided((3, 2), (2, 3)).add_(torch.ones(3, 2, device=a.device))  # 0, 3, 2, 5, 4, 7
+        return a
+
+    ref = ops(torch.arange(16.))
+    t = torch.arange(16., device=TPU)
+    with no_cpu_fallback():
+        got = ops(t).cpu()
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def _mask(x):
+    return x > 2
+
+
+# x[mask] = v and its neighbours (index_put_ with masks or indices): CPU's
+# index_put_ serves a single bool/uint8 mask with a one-element value as
+# masked_fill_(mask, value.item()) (TensorAdvancedIndexing.cpp
+# canDispatchToMaskedFill): a value of another dtype is converted, a uint8
+# mask raises masked_fill_'s error; any other call requires the dtypes to
+# match. Each case builds its value on the device it is given (None: CPU).
+MASK_ASSIGN = {
+    "int64_value_into_float": (lambda x, d: x.__setitem__(_mask(x), torch.tensor(3)), torch.float32),
+    "float64_value_into_float": (lambda x, d: x.__setitem__(_mask(x), torch.tensor(3.5, dtype=torch.float64)),
+                                 torch.float32),
+    "device_int64_value": (lambda x, d: x.__setitem__(_mask(x), torch.tensor(3, device=d)), torch.float32),
+    "value_of_shape_1x1": (lambda x, d: x.__setitem__(_mask(x), torch.tensor([[4]], device=d)), torch.float32),
+    "float_value_into_int": (lambda x, d: x.__setitem__(_mask(x), torch.tensor(2.7)), torch.int32),
+    "same_dtype_value": (lambda x, d: x.__setitem__(_mask(x), torch.tensor(-1.5, device=d)), torch.float32),
+    "python_scalar": (lambda x, d: x.__setitem__(_mask(x), 5.0), torch.float32),
+    "mask_after_none": (lambda x, d: x.view(2, 3).__setitem__((slice(None), x.view(2, 3)[0] > 0), torch.tensor(7)),
+                        torch.float32),
+    "transposed_mask": (lambda x, d: x.view(2, 3).t().__setitem__(x.view(2, 3).t() > 1, torch.tensor(9)),
+                        torch.float32),
+    "functional_index_put": (lambda x, d: x.copy_(torch.index_put(x, (_mask(x),), torch.tensor(8))), torch.float32),
+    "uint8_mask_two_values": (lambda x, d: x.__setitem__(_mask(x).to(torch.uint8), torch.tensor([5., 6., 7.], device=d)),
+                              torch.float32),
+    # CPU raises
+    "int8_overflow": (lambda x, d: x.__setitem__(_mask(x), torch.tensor(1000.)), torch.int8),
+    "complex_value_into_float": (lambda x, d: x.__setitem__(_mask(x), torch.tensor(1 + 2j)), torch.float32),
+    "uint8_mask_scalar": (lambda x, d: x.__setitem__(_mask(x).to(torch.uint8), 5.0), torch.float32),
+    "uint8_mask_tensor": (lambda x, d: x.__setitem__(_mask(x).to(torch.uint8), torch.tensor(5.)), torch.float32),
+    "long_index_other_dtype": (lambda x, d: x.__setitem__(torch.tensor([1, 2], device=d), torch.tensor(3)),
+                               torch.float32),
+    "long_index_other_dtype_values": (lambda x, d: x.__setitem__(torch.tensor([1, 2], device=d),
+                                                                 torch.tensor([3, 4], device=d)), torch.float32),
+    "mask_other_dtype_values": (lambda x, d: x.__setitem__(_mask(x), torch.tensor([3, 4, 5], device=d)),
+                                torch.float32),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", sorted(MASK_ASSIGN))
+def test_mask_assignment_like_cpu(case, mode):
+    """x[mask] = v gives CPU's values, or CPU's exception type and message,
+    in every mode (before: strict raised "Index put requires the source and
+    destination dtypes match" for x[m] = torch.tensor(3) into float32,
+    where CPU converts; a uint8 mask with a one-element value was accepted;
+    values of another dtype with long indices were converted where CPU
+    raises; 1000 into int8 saturated to 127). Twice: strict mode's second
+    call runs the device program."""
+    fn, dtype = MASK_ASSIGN[case]
+    for _ in range(2):
+        cpu_in = torch.arange(6).to(dtype)
+        try:
+            fn(cpu_in, None)
+            cpu_err = None
+        except Exception as e:  # noqa: BLE001
+            cpu_err = e
+        t = torch.arange(6).to(dtype).to(TPU)
+        err = _tpu_error(lambda: fn(t, TPU), (), mode)
+        if cpu_err is None:
+            assert err is None, err
+            torch.testing.assert_close(t.cpu(), cpu_in, rtol=0, atol=0)
+        else:
+            assert err is not None, f"tpu returned {t.cpu()} where CPU raises {cpu_err}"
+            assert type(err) is type(cpu_err), (err, cpu_err)
+            assert str(cpu_err).split("\n")[0] in str(err), (err, cpu_err)
+
+
+def test_mask_assignment_stays_on_the_device():
+    """The served forms compute on tpu (no CPU fallback), a value of
+    self's dtype without a sync."""
+    from conftest import no_cpu_fallback
+    x = torch.arange(6.)
+    t = x.to(TPU)
+    with no_cpu_fallback():
+        t[t > 2] = torch.tensor(3)
+        t[t < 1] = torch.tensor(-1., device=TPU)
+        t.view(2, 3)[:, t.view(2, 3)[0] > 0] = 7.
+        got = t.cpu()
+    x[x > 2] = torch.tensor(3)
+    x[x < 1] = torch.tensor(-1.)
+    x.view(2, 3)[:, x.view(2, 3)[0] > 0] = 7.
+    torch.testing.assert_close(got, x, rtol=0, atol=0)
