@@ -1250,27 +1250,41 @@ class CompileWorker {
   int threads_ = 0;
 };
 
-// Queues compiled's PJRT compile; compiled->pending is set before return.
-void CompileInBackground(const std::shared_ptr<CompiledOp>& compiled, const Deferred& d) {
+// Gives compiled a PendingCompile whose `queue` (QueueCompile) counts the
+// compile and submits its PJRT compile to the background thread.
+void PrepareBackground(const std::shared_ptr<CompiledOp>& compiled, const Deferred& d) {
   auto pending = std::make_shared<PendingCompile>();
   auto promise = std::make_shared<std::promise<void>>();
   pending->done = promise->get_future().share();
+  // The program's build time (meta kernel, lowering, module text), not the
+  // calls between the first and the one that queues the compile.
+  const double build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - d.start).count();
+  pending->queue = [signature = d.signature, build_s, promise](const std::shared_ptr<CompiledOp>& c) {
+    // Counted when queued, on the calling thread: compile counts and causes
+    // (and the recompile warning) do not depend on when the compile ends.
+    Runtime::Get().metrics().compiles++;
+    CompileStats::Get().Record(c->name, signature, build_s);
+    CompileWorker::Get().Submit([c, promise] {
+      try {
+        c->executable = CompileModule(c->name, c->module_text, /*single_op=*/true, /*count=*/false);
+        c->pending->ready.store(true, std::memory_order_release);
+        promise->set_value();
+      } catch (...) {
+        promise->set_exception(std::current_exception());
+      }
+    });
+  };
   compiled->pending = pending;
-  // Counted now, on the calling thread: compile counts and causes (and the
-  // recompile warning) do not depend on when the compile ends.
-  Runtime::Get().metrics().compiles++;
-  CompileStats::Get().Record(compiled->name, d.signature,
-                             std::chrono::duration<double>(std::chrono::steady_clock::now() - d.start).count());
-  CompileWorker::Get().Submit([compiled, promise] {
-    try {
-      compiled->executable =
-          CompileModule(compiled->name, compiled->module_text, /*single_op=*/true, /*count=*/false);
-      compiled->pending->ready.store(true, std::memory_order_release);
-      promise->set_value();
-    } catch (...) {
-      promise->set_exception(std::current_exception());
-    }
-  });
+}
+
+// Queues a prepared compile (once); the caller holds the OpCache's mutex.
+void QueueCompile(const std::shared_ptr<const CompiledOp>& compiled) {
+  PendingCompile& p = *compiled->pending;
+  if (p.queued) return;
+  p.queued = true;
+  auto queue = std::move(p.queue);
+  p.queue = nullptr;  // the task holds the CompiledOp; no cycle through `pending`
+  queue(std::const_pointer_cast<CompiledOp>(compiled));
 }
 
 // Waits for a compile started by an earlier host-first call; rethrows its
@@ -1320,17 +1334,23 @@ bool HostFirstCall(const c10::OperatorHandle& op, const torch::jit::Stack& stack
   return op.hasComputedKernelForDispatchKey(c10::DispatchKey::CPU);
 }
 
-// And once the program is built: not too large, not in the disk cache (a
-// load is cheap), outputs typed as their dtypes' bytes (the host result is
-// uploaded as it is).
-bool HostFirstProgram(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
-                      const CompiledOp& compiled) {
+// And once the program is built: not too large, outputs typed as their
+// dtypes' bytes (the host result is uploaded as it is).
+bool HostFirstFits(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                   const CompiledOp& compiled) {
   if (CallBytes(op, stack, first, compiled.spec) > HostFirstMaxBytes()) return false;
   for (const auto& o : compiled.outputs)
     if (o.kind == OutputSlot::Kind::kNewTensor &&
         ElementSize(o.element) != static_cast<size_t>(c10::elementSize(o.dtype)))
       return false;
-  return !DiskCache::Get().Has(Runtime::Get().client(), compiled.module_text, SingleOpOptions());
+  return true;
+}
+
+// A new program: fits, and not in the disk cache (a load is cheap).
+bool HostFirstProgram(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                      const CompiledOp& compiled) {
+  return HostFirstFits(op, stack, first, compiled) &&
+         !DiskCache::Get().Has(Runtime::Get().client(), compiled.module_text, SingleOpOptions());
 }
 
 // `checked`: Scalar arguments (alpha=1e300 into f32 raises, as on CPU);
@@ -1423,6 +1443,21 @@ int64_t HostFirstMaxBytes() {
   return limit;
 }
 
+int64_t HostFirstCompileAfter() {
+  static const int64_t after = [] {
+    const char* e = std::getenv("TORCH_TPU_HOST_FIRST_COMPILE_AFTER");
+    if (!e || !*e) return int64_t{1};
+    char* end = nullptr;
+    errno = 0;
+    long long n = std::strtoll(e, &end, 10);
+    if (errno != 0 || *end != '\0' || n < 1 || n > 1000000)
+      throw std::invalid_argument(
+          std::string("TORCH_TPU_HOST_FIRST_COMPILE_AFTER must be an integer in [1, 1000000], got '") + e + "'");
+    return static_cast<int64_t>(n);
+  }();
+  return after;
+}
+
 void AwaitBackgroundCompiles() { CompileWorker::Get().AwaitAll(); }
 
 std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
@@ -1436,8 +1471,19 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   auto& metrics = Runtime::Get().metrics();
   // A program compiling in the background (an earlier host-first call) is
   // waited for without the lock: the compile thread does not take it.
+  // With TORCH_TPU_HOST_FIRST_COMPILE_AFTER = N > 1, a strict call that
+  // qualifies is host-served again instead (its N-th call queues the
+  // compile); any other caller queues it and waits.
   auto ready = [&](std::shared_ptr<const CompiledOp> op_) {
-    if (op_->pending && !op_->pending->ready.load(std::memory_order_acquire)) {
+    if (PendingCompile* p = op_->pending.get(); p && !p->ready.load(std::memory_order_acquire)) {
+      ++p->calls;
+      const int64_t after = HostFirstCompileAfter();
+      if (after > 1 && host_served && HostFirstCall(op, stack, first, entry) && HostFirstFits(op, stack, first, *op_)) {
+        if (p->calls >= after) QueueCompile(op_);
+        *host_served = true;
+        return op_;
+      }
+      QueueCompile(op_);
       lock.unlock();
       AwaitCompiled(*op_);
     }
@@ -1455,7 +1501,9 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   auto finish = [&](std::unique_ptr<CompiledOp> built, const Deferred& d) -> std::shared_ptr<CompiledOp> {
     std::shared_ptr<CompiledOp> compiled(std::move(built));
     if (HostFirstProgram(op, stack, first, *compiled)) {
-      CompileInBackground(compiled, d);
+      PrepareBackground(compiled, d);
+      compiled->pending->calls = 1;
+      if (HostFirstCompileAfter() <= 1) QueueCompile(compiled);
       *host_served = true;
     } else {
       FinishCompile(*compiled, d);

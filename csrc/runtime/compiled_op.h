@@ -95,12 +95,19 @@ struct CallSpec {
   std::vector<std::vector<int64_t>> strides;
 };
 
-// A compile running on the background compile thread (host-first calls,
-// OpCache::Lookup): `done` is set (or holds the compile's error) once the
-// CompiledOp's executable is there; `ready` is its fast check.
+// A host-first program without its executable yet (OpCache::Lookup):
+// `queue` submits its compile to the background compile thread (once, on the
+// key's TORCH_TPU_HOST_FIRST_COMPILE_AFTER-th call or when a caller that
+// cannot be served on the host needs it; `queued`, `calls` and `queue` are
+// guarded by the OpCache's mutex); `done` is set (or holds the compile's
+// error) once the CompiledOp's executable is there; `ready` is its fast check.
+struct CompiledOp;
 struct PendingCompile {
   std::shared_future<void> done;
   std::atomic<bool> ready{false};
+  bool queued = false;
+  int64_t calls = 0;  // calls of the key so far (host-served before the queue)
+  std::function<void(const std::shared_ptr<CompiledOp>&)> queue;
 };
 
 struct CompiledOp {
@@ -239,6 +246,15 @@ bool HostFirstEnabled();
 // would cost more than a compile). Throws std::invalid_argument naming the
 // variable for a value that is not a non-negative integer.
 int64_t HostFirstMaxBytes();
+// The call of a key on which its host-first program's compile is queued:
+// TORCH_TPU_HOST_FIRST_COMPILE_AFTER (an integer in [1, 1000000]; default 1:
+// on the first call, and every later call waits for that compile). N > 1:
+// the first N-1 calls are host-served without compiling anything (a key
+// used fewer than N times costs no compile at all), the N-th queues the
+// compile, and strict calls that qualify are host-served (never waiting)
+// until the executable is ready. Throws std::invalid_argument naming the
+// variable for another value.
+int64_t HostFirstCompileAfter();
 // Waits until every queued background compile has finished (OpCache::Clear,
 // before fork(), at exit).
 void AwaitBackgroundCompiles();

@@ -290,9 +290,76 @@ def test_cpu_errors_surface_at_the_op():
 
 
 @pytest.mark.full_tier
-@pytest.mark.parametrize("var,value", [("TORCH_TPU_HOST_FIRST", "yes"), ("TORCH_TPU_HOST_FIRST_MAX_BYTES", "-1")])
+@pytest.mark.parametrize("var,value", [("TORCH_TPU_HOST_FIRST", "yes"), ("TORCH_TPU_HOST_FIRST_MAX_BYTES", "-1"),
+                                       ("TORCH_TPU_HOST_FIRST_COMPILE_AFTER", "0")])
 def test_bad_environment_is_named(var, value):
     code = PRELUDE + "X = torch.randn(3).to('tpu')\n(X + 1).cpu()\n"
     r = run_python(code, env={"TORCH_TPU_CACHE_DIR": "", var: value}, timeout=120)
     assert r.returncode != 0
     assert var in r.stderr
+
+
+# TORCH_TPU_HOST_FIRST_COMPILE_AFTER=N > 1: keys seen fewer than N times cost
+# no compile at all; the N-th call queues the compile; strict calls are
+# host-served (not blocked) until the executable is ready; a debug or fused
+# call of a key not compiled yet queues its compile and waits.
+COMPILE_AFTER = r"""
+g = torch.Generator().manual_seed(1)
+# 20 shapes, no two in one shape family (no bucket program serves two).
+shapes = [(i + 1, 20 - i) for i in range(20)]
+xs = [torch.randint(-40, 40, s, generator=g) for s in shapes]
+fs = [torch.randn(s, generator=g) for s in shapes]
+XS = [x.to("tpu") for x in xs]
+FS = [f.to("tpu") for f in fs]
+torch.tpu.synchronize()
+def once():
+    ok = True
+    for x, X, f, F in zip(xs, XS, fs, FS):
+        ok &= torch.equal((X * 3 - 7).cpu(), x * 3 - 7)
+        ok &= torch.allclose((F.exp() * 0.5).cpu(), f.exp() * 0.5, rtol=1.3e-6, atol=1e-5)
+    return ok
+ok, d = delta(once)
+out["once"] = dict(ok=ok, d=d)
+# A repeated key: calls 1..N-1 host-served with no compile, call N queues it.
+Y = torch.arange(12, dtype=torch.int64).reshape(3, 4).to("tpu")
+y = Y.cpu()
+def calls(k):
+    return [torch.equal((Y + 5).cpu(), y + 5) for _ in range(k)]
+N = int(__import__("os").environ["TORCH_TPU_HOST_FIRST_COMPILE_AFTER"])
+r1, d1 = delta(lambda: calls(N - 1))
+# Call N and 30 more without waiting: each host-served or executed, all right.
+r2, d2 = delta(lambda: calls(31))
+r3, d3 = delta(lambda: calls(1))  # after metrics(): the compile is done
+out["repeat"] = dict(ok=all(r1 + r2 + r3), d1=d1, d2=d2, d3=d3)
+# A key host-served once in strict mode, then called in debug mode.
+Z = torch.randn(2, 11, generator=g); ZT = Z.to("tpu")
+rs, ds = delta(lambda: (ZT.cos() - 1).cpu())
+torch_tpu.set_eager_mode("debug")
+rd, dd = delta(lambda: (ZT.cos() - 1).cpu())
+torch_tpu.set_eager_mode("strict")
+want = Z.cos() - 1
+out["debug"] = dict(ok=torch.allclose(rs, want, rtol=1.3e-6, atol=1e-5) and torch.allclose(rd, want, rtol=1.3e-6, atol=1e-5),
+                    ds=ds, dd=dd)
+"""
+
+
+@pytest.mark.parametrize("after", [2, 3])
+def test_compile_after_n_calls(after):
+    r = run(COMPILE_AFTER, env={"TORCH_TPU_HOST_FIRST_COMPILE_AFTER": str(after)})
+    # 20 shapes x 2 ops (3 programs: mul, sub; exp, mul) called once each:
+    # every call host-served, not one compile, values CPU's.
+    assert r["once"]["ok"], r
+    assert r["once"]["d"]["compiles"] == 0 and r["once"]["d"]["executions"] == 0, r
+    assert r["once"]["d"]["host_served"] == 20 * 4, r
+    rep = r["repeat"]
+    assert rep["ok"], r
+    # add.Tensor's key (Y + 5): N-1 host-served calls, no compile.
+    assert rep["d1"] == {"host_served": after - 1, "executions": 0, "compiles": 0}, r
+    # Call N queues the one compile; the 31 calls are each served once.
+    assert rep["d2"]["compiles"] == 1, r
+    assert rep["d2"]["host_served"] >= 1 and rep["d2"]["host_served"] + rep["d2"]["executions"] == 31, r
+    assert rep["d3"] == {"host_served": 0, "executions": 1, "compiles": 0}, r
+    assert r["debug"]["ok"], r
+    assert r["debug"]["ds"] == {"host_served": 2, "executions": 0, "compiles": 0}, r
+    assert r["debug"]["dd"]["host_served"] == 0 and r["debug"]["dd"]["compiles"] == 2, r
+    assert r["debug"]["dd"]["executions"] == 2, r
