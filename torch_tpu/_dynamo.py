@@ -18,8 +18,10 @@ functional collectives is split at each of them (``_Split``): programs
 between them, the collectives run eagerly (tpu_dist) in graph order.
 
 Registered through the ``torch_dynamo_backends`` entry point (so no import
-is needed before ``torch.compile``); ``register()`` registers it by hand
-where the package is not installed.
+is needed before ``torch.compile``), which importing torch_tpu names in
+Dynamo's registry (``torch_tpu._seed_dynamo_backend``: the lookup then skips
+``registry._lazy_import()``, which imports every Dynamo backend module);
+``register()`` registers it by hand where the package is not installed.
 
 ``TORCH_TPU_COMPILE_DEBUG=1`` prints why a graph falls back.
 

@@ -44,6 +44,11 @@ DICT_VERSION and WEAKREF_ALIVE: an id means nothing in another process. Here
   and checked once when a later process loads the entry (``_check_identities``:
   ``torch.nn.functional.gelu`` rebound to another function before
   ``torch.compile`` -> the entry is ignored and the frame compiles);
+- an identity guard reached from an argument (no value to evaluate at
+  load): one PyTorch can save (BUILTIN_MATCH: a builtin passed in) is kept
+  in the saved guards (rebuilt on the saved scope's object, pickled by
+  reference) and its name checked at load to still be that object; one it
+  cannot save (CLOSURE_MATCH on a Python function) makes the frame unsafe;
 - a guard reached through a closure cell
   (``forward.__closure__[0].cell_contents``: a decorator's state) cannot be
   rebuilt from a saved scope: an identity guard on a by-reference object, a
@@ -82,7 +87,9 @@ generated name are recorded with the entry; a wrapped function pickles by
 reference; guards reached through a closure cell are checked at load (above),
 not saved. Loading, saved guards are built once, as saved (PyTorch builds
 them a first time only to re-run its filter, which would drop the identity
-guards kept here). And two bugs: a tensor of the saved guard scope restores
+guards kept here), under the thread's dispatch key sets they were built
+under when saved (tensor guards compare keys through them: a frame compiled
+under ``inference_mode`` otherwise never passed its loaded guards outside). And two bugs: a tensor of the saved guard scope restores
 its pruned ``.grad`` as None (PyTorch 2.13 assigned its ``_Missing``
 sentinel: a TypeError, so no frame compiled after a backward ever loaded;
 fixed the same way upstream, pytorch/pytorch#197755); an entry that fails to
@@ -437,6 +444,58 @@ def _closure_constant(g) -> tuple | None:
     return None
 
 
+def _from_argument(g) -> bool:
+    """Whether a guard's source starts at a local of the frame other than
+    ``self`` and its free variables (an argument, or a resumed frame's
+    stack value): what ``_check_identities`` has no value for at load."""
+    from torch._dynamo.source import LocalSource
+
+    source = getattr(getattr(g, "orig_guard", None), "originating_source", None)
+    while source is not None and not isinstance(source, LocalSource):
+        source = getattr(source, "base", None)
+    return (isinstance(source, LocalSource) and source.local_name != "self"
+            and not source.is_derefed_cell_contents)  # a free variable: the closure, evaluated at load
+
+
+def _serializable(g) -> bool:
+    """Whether PyTorch can save the guard itself (its type and the types
+    it derives from are none of CheckFunctionManager's
+    UNSUPPORTED_SERIALIZATION_GUARD_TYPES, and a TYPE_MATCH or
+    BUILTIN_MATCH is not marked unserializable, as serialize_guards
+    decides: BUILTIN_MATCH is saved, ID_MATCH, FUNCTION_MATCH,
+    CLOSURE_MATCH, MODULE_MATCH are not)."""
+    import torch._dynamo.guards as guards
+
+    unsupported = getattr(guards.CheckFunctionManager, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES", None)
+    if unsupported is None:
+        return False
+    if g.guard_type in ("TYPE_MATCH", "BUILTIN_MATCH"):  # as CheckFunctionManager.serialize_guards decides
+        return not getattr(g.orig_guard, "_unserializable", True)
+    return g.guard_type not in unsupported and not any(t in unsupported for t in (g.derived_guard_types or ()))
+
+
+def _lookup(description: tuple) -> Any:
+    """The object a ``_describe`` description names in this process
+    (a module, a class or function by module and qualified name, an enum
+    member); raises ValueError when it names nothing."""
+    import importlib
+
+    kind = description[0]
+    if kind == "module":
+        return importlib.import_module(description[1])
+    if kind in ("object", "enum"):
+        module, qualname = description[1], description[2]
+        if module not in sys.modules:
+            importlib.import_module(module)
+        candidates = _resolve(module, qualname) + _resolve(module, qualname.rsplit(".", 1)[-1])
+        for f in candidates:
+            if kind == "enum":
+                f = getattr(f, description[3], None)
+            if f is not None:
+                return f
+    raise ValueError(f"{'.'.join(map(str, description[1:]))} names nothing")
+
+
 def _check_identities(fn: Any, entry, checks: list) -> None:
     """Raises ValueError unless each (guard source, description) saved with
     an entry still names the same module or object when evaluated against
@@ -469,6 +528,18 @@ def _check_identities(fn: Any, entry, checks: list) -> None:
             except ValueError:  # an empty cell
                 pass
     for name, description in checks:
+        if description[0] == "resolves":
+            # An identity guard kept in the saved guards (on an argument):
+            # the saved scope names the object by module and qualified name,
+            # which must still be that object (not rebound to another).
+            try:
+                value = _lookup(tuple(description[1:]))
+            except Exception as e:
+                raise ValueError(f"cannot check {name} ({type(e).__name__}: {e})") from None
+            if not _by_reference(value) or _describe(value) != tuple(description[1:]):
+                raise ValueError(f"{name} ({'.'.join(map(str, description[2:]))}) no longer is "
+                                 f"{'.'.join(map(str, description[2:]))}")
+            continue
         try:
             value = eval(name, namespace)  # noqa: S307 (a guard's source expression)
         except Exception as e:
@@ -484,6 +555,30 @@ def _check_identities(fn: Any, entry, checks: list) -> None:
                 raise ValueError(f"{name} no longer is a {description[1]}")
         elif not _by_reference(value) or _describe(value) != tuple(description):
             raise ValueError(f"{name} no longer is {'.'.join(map(str, description[1:]))}")
+
+
+_TLS_MAGIC = b"TORCH_TPU_GUARD_TLS\x01"
+
+
+def _tls_trailer() -> bytes:
+    """The thread's local dispatch key include and exclude sets (raw, 8
+    bytes each, little endian) after a marker: what the guards being saved
+    were built under (``_patch``, 8.)."""
+    include = torch._C._dispatch_tls_local_include_set().raw_repr()
+    exclude = torch._C._dispatch_tls_local_exclude_set().raw_repr()
+    return _TLS_MAGIC + include.to_bytes(8, "little") + exclude.to_bytes(8, "little")
+
+
+def _read_tls_trailer(guards_state: bytes) -> tuple[int, int] | None:
+    """(include, exclude) raw sets saved by ``_tls_trailer``; None for
+    saved guards without the trailer."""
+    n = len(_TLS_MAGIC) + 16
+    if not isinstance(guards_state, (bytes, bytearray)) or len(guards_state) < n:
+        return None
+    tail = bytes(guards_state[-n:])
+    if not tail.startswith(_TLS_MAGIC):
+        return None
+    return int.from_bytes(tail[-16:-8], "little"), int.from_bytes(tail[-8:], "little")
 
 
 def _patch() -> None:
@@ -608,7 +703,21 @@ def _patch() -> None:
                     _log.debug("guard not checkable in another process: %s on %s (%s, %s)", g.guard_type, g.name,
                                g.derived_guard_types, type(g.value).__name__)
                 elif verdict == "by_reference" and k:
-                    identities.append((g.name, _describe(g.value)))
+                    if "__closure__" not in g.name and _from_argument(g):
+                        # Reached from an argument: no scope to evaluate it
+                        # in at load. The guard itself is kept (the saved
+                        # scope holds the object by reference, so it is
+                        # rebuilt on this process's object) and its name
+                        # checked at load not to be rebound.
+                        description = _describe(g.value)
+                        if not _serializable(g):  # CLOSURE_MATCH on a function, ID_MATCH on a module, ...
+                            unsafe.append(f"{g.guard_type} on {g.name} (an argument)")
+                        else:
+                            identities.append((g.name, ("resolves",) + description))
+                            out.append(True)
+                            continue
+                    else:
+                        identities.append((g.name, _describe(g.value)))
                 if "__closure__" in g.name:  # not rebuilt from a saved scope (see 3.)
                     closure.append(g.name)
                     if k and verdict == "keep":
@@ -640,6 +749,8 @@ def _patch() -> None:
             with torch._dynamo.config.patch(caching_precompile=False):
                 init(**bound)
             self.guards_state = saved_state
+        if isinstance(self.guards_state, bytes) and self.guards_state:
+            self.guards_state += _tls_trailer()  # see 8.
         if signature.bind(self, *args, **kwargs).arguments.get("save_guards") and self.guards_state is None \
                 and package is None:
             # The output graph bypassed its package (e.g. "Graph contains
@@ -680,12 +791,42 @@ def _patch() -> None:
     #    caching-precompile filter over them, then the kept ones; and that
     #    filter would drop the identity guards kept by 4. The saved guards
     #    are built once, as saved.
+    #
+    # 8. A tensor guard (TENSOR_MATCH) compares a call's dispatch keys as
+    #    seen through the thread's local include/exclude sets at the call
+    #    with the example's as seen through those sets when the guard was
+    #    built (torch/csrc/dynamo/guards.cpp, TensorCheck's LocalState).
+    #    Compiling, that is the call's own state (inference_mode excludes
+    #    the autograd keys); loading, it was whatever torch.compile ran
+    #    under, so a frame compiled under inference_mode and loaded outside
+    #    it (or the reverse) never passed its guards: every such process
+    #    compiled again and added that compile to the entry. The saved
+    #    guards carry the sets they were built under (a trailer after the
+    #    pickle, which pickle.loads ignores) and are rebuilt under them.
     load_guard_manager = package.load_guard_manager
+    load_guards_state = package.load_guards_state
+
+    def _load_guards_state(guards_state):
+        state = load_guards_state(guards_state)
+        tls = _read_tls_trailer(guards_state)
+        if tls is not None:
+            try:
+                state._tpu_tls = tls
+            except AttributeError:
+                pass
+        return state
+
+    package.load_guards_state = _load_guards_state
 
     def _load_guard_manager(guards_state, *args, **kwargs):
+        tls = getattr(guards_state, "_tpu_tls", None)
         _loading.unfiltered = True
         try:
-            return load_guard_manager(guards_state, *args, **kwargs)
+            if tls is None:
+                return load_guard_manager(guards_state, *args, **kwargs)
+            keys = torch._C.DispatchKeySet.from_raw_repr
+            with torch._C._ForceDispatchKeyGuard(keys(tls[0]), keys(tls[1])):
+                return load_guard_manager(guards_state, *args, **kwargs)
         finally:
             _loading.unfiltered = False
 
@@ -778,7 +919,8 @@ def _check_signature() -> str | None:
             return "CheckFunctionManager has no guard_filter_fn in 5th position"
         for obj, name in ((package.CompilePackage, "_add_function"), (package.CompilePackage, "install"),
                           (package.CompilePackage, "_add_user_function"), (package, "PackageError"),
-                          (package, "load_guard_manager"), (package, "_lookup_code"),
+                          (package, "load_guard_manager"), (package, "load_guards_state"),
+                          (package, "_lookup_code"), (torch._C, "_ForceDispatchKeyGuard"),
                           (torch._guards.Guard, "create_fn_name"),
                           (codegen.PyCodegen, "create_load_python_module"), (package, "DiskDynamoCache"),
                           (getattr(guards, "GuardsStatePickler", None), "reducer_override")):

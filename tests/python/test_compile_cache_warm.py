@@ -517,3 +517,83 @@ def test_failed_install_compiles_cleanly(tmp_path, cache):
     assert run["eval_err"] <= 1e-4 and run["loss_err"] <= 1e-4, run
     assert run["traced"] >= 2, run  # compiled, not half-loaded
     assert any("cannot install a saved entry" in w and "injected" in w for w in run["warnings"]), run
+
+
+# Issue 11 (d), defects of the loaded guards: the frame below takes a
+# function as an argument (an identity guard reached from an argument, not
+# from self or the globals) and is called under inference_mode or no_grad.
+ARG_SCRIPT = textwrap.dedent('''
+    import json, os, warnings
+    import torch, torch_tpu
+    import torch.nn.functional as F
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 4)
+
+        def forward(self, x, act):
+            return act(self.fc(x)) * 2
+
+    torch.manual_seed(0)
+    model = Head().eval()
+    x = torch.randn(3, 8)
+    if os.environ.get("REBIND_RELU"):  # the name the saved scope holds now names sigmoid
+        torch.relu = torch.sigmoid
+    act = F.relu if os.environ.get("PYTHON_ACT") else torch.relu  # a Python function / a builtin
+    with torch.no_grad():
+        want = model(x * 4, act)
+    model.to("tpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend="tpu")  # outside inference_mode
+        mode = torch.inference_mode() if os.environ.get("INFERENCE") else torch.no_grad()
+        with mode:
+            got = compiled((x * 4).to("tpu"), act).cpu()
+    print("RESULT " + json.dumps({
+        "max_err": (got - want).abs().max().item(),
+        "traced": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+        "warnings": [str(w.message) for w in caught if "compile cache" in str(w.message)]}))
+''')
+
+
+def test_entry_compiled_under_inference_mode_serves_later_processes(tmp_path, cache):
+    """Defect (1): a frame compiled under inference_mode is served by a
+    later process that loads the entry at torch.compile outside it (the
+    saved tensor guards are rebuilt under the dispatch key sets they were
+    built under), so the entry stops growing; the no_grad frame of the
+    first process is still served too."""
+    first = _run(tmp_path, [], cache, script_text=ARG_SCRIPT)
+    assert first["traced"] == 1 and first["max_err"] <= 1e-5, first
+    (entry,) = _entries(cache)
+    second = _run(tmp_path, [], cache, script_text=ARG_SCRIPT, INFERENCE="1")  # a new guard set
+    assert second["traced"] == 1 and second["max_err"] <= 1e-5, second
+    size = entry.stat().st_size
+    warm = _run(tmp_path, [], cache, script_text=ARG_SCRIPT, INFERENCE="1")
+    assert warm["traced"] == 0 and warm["max_err"] <= 1e-5 and warm["warnings"] == [], warm
+    assert entry.stat().st_size == size  # nothing appended (each such process used to add a compile)
+    again = _run(tmp_path, [], cache, script_text=ARG_SCRIPT)  # the no_grad guard set
+    assert again["traced"] == 0 and again["max_err"] <= 1e-5 and again["warnings"] == [], again
+
+
+def test_identity_guard_on_an_argument(tmp_path, cache):
+    """Defect (3): an identity guard on a builtin passed as an argument
+    (torch.relu: BUILTIN_MATCH) is kept in the saved guards and the entry is
+    served (every load used to fail: no value for the argument at load);
+    with torch.relu rebound to torch.sigmoid before torch.compile the entry
+    is ignored and the frame computes sigmoid, as CPU. A Python function
+    passed (F.relu: CLOSURE_MATCH, which PyTorch cannot save) keeps the
+    frame out of the default store instead: no entry, no failing loads."""
+    cold = _run(tmp_path, [], cache, script_text=ARG_SCRIPT)
+    assert cold["traced"] == 1 and cold["max_err"] <= 1e-5, cold
+    assert len(_entries(cache)) == 1
+    warm = _run(tmp_path, [], cache, script_text=ARG_SCRIPT)
+    assert warm["traced"] == 0 and warm["max_err"] <= 1e-5 and warm["warnings"] == [], warm
+    rebound = _run(tmp_path, [], cache, script_text=ARG_SCRIPT, REBIND_RELU="1")
+    assert rebound["traced"] == 1 and rebound["max_err"] <= 1e-5, rebound
+    assert any("no longer is" in w for w in rebound["warnings"]), rebound
+
+    other = tmp_path / "other"
+    python_act = _run(tmp_path, [], other, script_text=ARG_SCRIPT, PYTHON_ACT="1")
+    assert python_act["traced"] == 1 and python_act["max_err"] <= 1e-5, python_act
+    assert python_act["warnings"] == [] and _entries(other) == [], python_act  # nothing to fail loading
