@@ -10,11 +10,14 @@ ignored, and reports output tokens per second (wall clock) at 1 request
 (the first prompt) and 16 concurrent requests (all of them):
 
 1. vLLM on tpu: vLLM's OpenAI server (examples/serve_vllm.py's
-   ``vllm_server``; compiled, buckets warmed up at start-up) queried with
-   one httpx.Client from 16 threads (16 requests); one untimed request and
-   one untimed concurrent round first.  With the model runner's per-step
-   timeline (TORCH_TPU_VLLM_TIMELINE): engine steps and requests per step
-   of the timed round.  And the
+   ``vllm_server``; compiled, buckets warmed up at start-up; started with
+   ``SERVER_FLAGS``, what a production deployment runs: no periodic stats
+   log, no access-log line per request) queried by two clients, each the
+   median of 3 timed rounds after an untimed one: one asyncio event loop on
+   one ``httpx.AsyncClient`` (serve_vllm.complete_many, as vLLM's serving
+   benchmark sends requests) and 16 threads sharing one ``httpx.Client``.
+   With the model runner's per-step timeline (TORCH_TPU_VLLM_TIMELINE):
+   engine steps and requests per step of each timed round.  And the
    offline engine, ``vllm.LLM(...).generate`` (same limits, in a child
    process, engine in-process), 1 prompt and then the 16 in one call, after
    an untimed call of the same.
@@ -65,52 +68,89 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 
-def _serve_round(serve_vllm, url, model, prompts, new_tokens, timeline):
-    """(tokens/s at 1 request, tokens/s at len(prompts) concurrent).
+# What a production deployment runs with: no periodic stats logging in the
+# engine core, no uvicorn access-log line per request (vLLM's per-request
+# logging is already off unless --enable-log-requests). docs/serving.md.
+SERVER_FLAGS = ["--disable-log-stats", "--disable-uvicorn-access-log"]
 
-    One ``httpx.Client`` for every request (pooled keep-alive connections):
-    a client per request costs ~60 CPU ms of TLS set-up each, which spread
-    16 "concurrent" arrivals over ~1.3 s (BENCHMARKS.md).  Untimed first:
-    one request and one concurrent round (compiles nothing new, opens the
-    pool's connections).  ``timeline``: the server's
-    TORCH_TPU_VLLM_TIMELINE file, summarized for the timed concurrent round."""
+
+def _serve_round(serve_vllm, url, model, prompts, new_tokens, timeline, reps=3):
+    """{row name: (tokens/s at 1 request, tokens/s at len(prompts) concurrent)}
+    for two clients on the same server, each the median of ``reps`` timed
+    rounds (rounds are bimodal on this shared machine):
+
+    * asyncio: serve_vllm.complete_many, every request of a round written
+      from one event loop on one ``httpx.AsyncClient`` (as vLLM's serving
+      benchmark sends them; concurrent users do not share a GIL);
+    * threads: ``len(prompts)`` threads sharing one ``httpx.Client`` (pooled
+      keep-alive connections; a client per request costs ~60 CPU ms of TLS
+      set-up each).  On a loaded machine the threads' sends spread over up
+      to ~1.8 s waiting for the GIL, so the server batches fewer requests
+      per step.
+
+    Untimed first: one request and one concurrent round of each client
+    (compiles nothing new, opens the connections).  ``timeline``: the
+    server's TORCH_TPU_VLLM_TIMELINE file, summarized per timed round
+    (engine steps, requests per step) with the CPU seconds per process."""
+    import statistics
+
     import httpx
 
     n = len(prompts)
+    tokens = n * new_tokens
+    rates: dict = {"asyncio": [], "threads": []}
+
+    def check(results):
+        for r in results:
+            if r["status"] != 200 or len(r["json"]["choices"][0]["token_ids"]) != new_tokens:
+                raise RuntimeError(f"request failed: {r}")
+
+    marks: dict = {}
+
+    def begin(tag):
+        marks[tag] = (len(_timeline(timeline)), _tree_cpu(), time.time())
+
+    def end(tag, client, wall):
+        n0, cpu0, w0 = marks.pop(tag)
+        cpu1 = _tree_cpu()
+        per = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
+        steps = _timeline(timeline)[n0:]
+        full = sum(1 for s in steps if s["reqs"] == n)
+        busy = sum(s["execute"] + s["sample"] for s in steps)
+        print(f"# server, {client} client, {n} concurrent: {tokens / wall:.1f} tokens/s, wall "
+              f"{wall:.2f} s; {len(steps)} engine steps, {full} with all {n} requests, mean "
+              f"{sum(s['reqs'] for s in steps) / max(len(steps), 1):.1f} requests per step; "
+              f"first step {steps[0]['t'] - w0 if steps else float('nan'):.3f} s after the round "
+              f"began; model runner busy {busy:.2f} s; CPU s: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items())), flush=True)
+        rates[client].append(tokens / wall)
+
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=2.0)
     with httpx.Client(limits=limits) as client, cf.ThreadPoolExecutor(n) as pool:
         def send(p):
             return serve_vllm.complete(url, model, p, new_tokens, client=client)
 
-        warm = [send(prompts[0])] + list(pool.map(send, prompts))
+        check([send(prompts[0])] + list(pool.map(send, prompts)))
         t0 = time.perf_counter()
-        one = send(prompts[0])
+        check([send(prompts[0])])
         t1 = time.perf_counter() - t0
-        steps0 = _timeline(timeline)
-        cpu0 = _tree_cpu()
-        t0, c0, w0 = time.perf_counter(), time.process_time(), time.time()
-        many = list(pool.map(send, prompts))
-        tn = time.perf_counter() - t0
-        client_cpu = time.process_time() - c0
-        cpu1 = _tree_cpu()
-    per = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
-    tokens = n * new_tokens
-    print(f"# server, {n} concurrent: CPU s per process for {tokens} tokens: "
-          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items()))
-          + f", client (this process, {n} httpx threads, one Client) {client_cpu:.2f}; "
-          f"wall {tn:.2f} s", flush=True)
-    steps = _timeline(timeline)[len(steps0):]
-    if steps:
-        busy = sum(s["execute"] + s["sample"] for s in steps)
-        full = sum(1 for s in steps if s["reqs"] == n)
-        print(f"# server, {n} concurrent: {len(steps)} engine steps, {full} with all {n} "
-              f"requests, mean {sum(s['reqs'] for s in steps) / len(steps):.1f} requests per "
-              f"step; first step {steps[0]['t'] - w0:.3f} s after the first send; model runner "
-              f"busy {busy:.2f} s of {tn:.2f} s wall", flush=True)
-    for r in warm + [one] + many:
-        if r["status"] != 200 or len(r["json"]["choices"][0]["token_ids"]) != new_tokens:
-            raise RuntimeError(f"request failed: {r}")
-    return new_tokens / t1, n * new_tokens / tn
+        for _ in range(reps):
+            begin("threads")
+            t0 = time.perf_counter()
+            many = list(pool.map(send, prompts))
+            end("threads", "threads", time.perf_counter() - t0)
+            check(many)
+
+    rounds = serve_vllm.complete_many(
+        url, model, prompts, new_tokens, rounds=reps + 1,  # the first untimed
+        before_round=lambda i: begin("asyncio") if i else None,
+        after_round=lambda i, wall: end("asyncio", "asyncio", wall) if i else None)
+    for results, _ in rounds:
+        check(results)
+    return {"vLLM on tpu (OpenAI server, compiled; asyncio client)":
+            (new_tokens / t1, statistics.median(rates["asyncio"])),
+            "vLLM on tpu (OpenAI server, compiled; 16 client threads)":
+            (new_tokens / t1, statistics.median(rates["threads"]))}
 
 
 def _timeline(path: str) -> list:
@@ -254,8 +294,8 @@ def main() -> None:
         log = os.path.join(tmp, f"server-{run}.log")
         t0, wall0 = time.perf_counter(), time.time()
         timeline = os.path.join(tmp, f"timeline-{run}.jsonl")
-        with serve_vllm.vllm_server(model, serve_vllm.free_port(), log_path=log, timeout_s=900,
-                                    env={"TORCH_TPU_CACHE_DIR": cache,
+        with serve_vllm.vllm_server(model, serve_vllm.free_port(), extra_args=SERVER_FLAGS,
+                                    log_path=log, timeout_s=900, env={"TORCH_TPU_CACHE_DIR": cache,
                                          "TORCH_TPU_VLLM_TIMELINE": timeline}) as url:
             ready = time.perf_counter() - t0
             r = serve_vllm.complete(url, model, prompts[0], 1)
@@ -264,8 +304,8 @@ def main() -> None:
                 raise RuntimeError(f"first request failed: {r}")
             phases[run] = _startup_phases(log, wall0, ready, start[run])
             if run == "warm" and not args.startup_only:
-                rows["vLLM on tpu (OpenAI server, compiled)"] = _serve_round(
-                    serve_vllm, url, model, prompts, args.new_tokens, timeline)
+                rows.update(_serve_round(serve_vllm, url, model, prompts, args.new_tokens,
+                                         timeline))
         print(f"# {run} start: {start[run]:.1f} s to the first token; "
               + ", ".join(f"{k} {v:.1f} s" for k, v in phases[run].items()), flush=True)
     if args.startup_only:

@@ -159,9 +159,17 @@ def manual_seed(seed: int) -> None:
 
 
 def manual_seed_all(seed: int) -> None:
-    """Seeds every tpu device's generator (torch.manual_seed calls this)."""
-    for i in range(max(device_count(), 1)):
-        _default_generator(i).manual_seed(int(seed))
+    """Seeds every tpu device's generator (torch.manual_seed calls this).
+
+    Lazy, as torch.cuda.manual_seed_all: before the PJRT client exists the
+    seed is kept and applied when the generators are created with it, so
+    seeding does not start the device (a process that only seeds, such as
+    vLLM's API server, can still fork a child that uses it). Negative seeds
+    wrap to uint64 as torch.Generator.manual_seed does."""
+    s = int(seed)
+    if not -(1 << 63) <= s < (1 << 64):
+        raise RuntimeError(f"Overflow when unpacking long: seed {s} is outside [-2**63, 2**64)")
+    _C._seed_all(s + (1 << 64) if s < 0 else s)
 
 
 def seed() -> int:

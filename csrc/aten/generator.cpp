@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "aten/tpu.h"
+#include "runtime/runtime.h"
 
 namespace torch_tpu::aten {
 namespace {
@@ -66,17 +67,43 @@ struct TpuGeneratorImpl final : c10::GeneratorImpl {
 
 }  // namespace
 
+namespace {
+std::once_flag generators_once;
+std::vector<at::Generator> generators;
+std::mutex pending_mutex;
+bool have_pending_seed = false;
+uint64_t pending_seed = 0;
+}  // namespace
+
 const at::Generator& DefaultGenerator(c10::DeviceIndex index) {
-  static std::once_flag once;
-  static std::vector<at::Generator> generators;
-  std::call_once(once, [] {
+  std::call_once(generators_once, [] {
     c10::DeviceIndex n = std::max<c10::DeviceIndex>(DeviceCount(), 1);
-    for (c10::DeviceIndex i = 0; i < n; ++i) generators.push_back(at::make_generator<TpuGeneratorImpl>(i));
+    std::lock_guard<std::mutex> lock(pending_mutex);
+    for (c10::DeviceIndex i = 0; i < n; ++i) {
+      generators.push_back(at::make_generator<TpuGeneratorImpl>(i));
+      if (have_pending_seed) generators.back().set_current_seed(pending_seed);
+    }
   });
   if (index < 0) index = CurrentDevice();
   TORCH_CHECK(index < static_cast<c10::DeviceIndex>(generators.size()), "tpu device index ",
               static_cast<int>(index), " out of range");
   return generators[static_cast<size_t>(index)];
+}
+
+void SeedAllDefaultGenerators(uint64_t seed) {
+  {
+    std::lock_guard<std::mutex> lock(pending_mutex);
+    if (generators.empty() && !runtime::Runtime::Initialized()) {
+      have_pending_seed = true;
+      pending_seed = seed;
+      return;
+    }
+  }
+  for (c10::DeviceIndex i = 0; i < std::max<c10::DeviceIndex>(DeviceCount(), 1); ++i) {
+    at::Generator g = DefaultGenerator(i);  // a handle on the same generator
+    std::lock_guard<std::mutex> lock(g.mutex());
+    g.set_current_seed(seed);
+  }
 }
 
 at::Generator NewGenerator(c10::DeviceIndex index) {

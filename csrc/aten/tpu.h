@@ -18,6 +18,10 @@ c10::DeviceIndex CurrentDevice();
 c10::DeviceIndex DeviceCount();
 // generator.cpp
 const at::Generator& DefaultGenerator(c10::DeviceIndex index);
+// Seeds every device's default generator without creating the PJRT client
+// (torch.manual_seed, as torch.cuda's lazy seeding): applied now when the
+// generators exist, else when they are created with the client.
+void SeedAllDefaultGenerators(uint64_t seed);
 at::Generator NewGenerator(c10::DeviceIndex index);
 
 // kernels.cpp: sets a tpu storage's size to `nbytes` (Tensor.resize_ when

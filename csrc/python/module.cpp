@@ -128,6 +128,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_device", [](int index) {
     c10::impl::getDeviceGuardImpl(torch_tpu::aten::kTpu)->setDevice(c10::Device(torch_tpu::aten::kTpu, static_cast<c10::DeviceIndex>(index)));
   });
+  m.def("_seed_all", [](uint64_t seed) { torch_tpu::aten::SeedAllDefaultGenerators(seed); });
   m.def("_default_generator", [](int index) {
     return py::reinterpret_steal<py::object>(
         THPGenerator_initDefaultGenerator(torch_tpu::aten::DefaultGenerator(static_cast<c10::DeviceIndex>(index))));

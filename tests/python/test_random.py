@@ -342,3 +342,40 @@ def test_randperm_seeded_generator_out_and_uniformity():
         perms = torch.stack([torch.randperm(4, device=TPU) for _ in range(4000)]).cpu()
     counts = torch.stack([(perms == v).sum(0) for v in range(4)])
     assert ((counts - 1000).abs() < 150).all(), counts
+
+
+LAZY_SEED_SCRIPT = r"""
+import torch, torch_tpu
+from torch_tpu import _C
+torch.manual_seed(123)          # before the client: kept, not applied
+print("client after seed", _C._is_initialized())
+a = torch.rand(8, device="tpu").cpu().tolist()   # creates the client + generators
+print("client after rand", _C._is_initialized())
+torch.manual_seed(123)          # with the client live: applied at once
+b = torch.rand(8, device="tpu").cpu().tolist()
+torch.manual_seed(124)
+c = torch.rand(8, device="tpu").cpu().tolist()
+print("lazy seed draws equal", a == b)
+print("another seed differs", a != c)
+"""
+
+
+def test_manual_seed_before_client_is_lazy_and_applied():
+    """torch.manual_seed before the PJRT client exists does not create it
+    (as torch.cuda queues seeding until CUDA initializes; vLLM's API server
+    seeds and must not start the device) and still seeds the generators
+    created later with the client. Fresh process: this one has a client."""
+    import os
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", LAZY_SEED_SCRIPT], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("client", "lazy", "another"))]
+    assert lines == ["client after seed False", "client after rand True",
+                     "lazy seed draws equal True", "another seed differs True"], out.stdout + out.stderr[-2000:]
+
+
+def test_manual_seed_out_of_range_raises():
+    with pytest.raises(RuntimeError, match="Overflow"):
+        torch_tpu.device.manual_seed_all(1 << 64)

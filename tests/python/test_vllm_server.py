@@ -5,7 +5,8 @@ killed on exit and on failure), a real HTTP client (httpx):
 
 - 16 concurrent /v1/completions requests with different prompts and
   ``max_tokens`` give Hugging Face ``generate()``'s greedy tokens on CPU,
-  token for token;
+  token for token, sent from 16 threads and again from one asyncio loop
+  (serve_vllm.complete_many);
 - a prompt longer than max_model_len gets vLLM's 400 error and the server
   keeps serving;
 - the plugin does not activate unless chosen (plain vLLM keeps its CPU platform).
@@ -43,11 +44,15 @@ def test_openai_server_concurrent_greedy_matches_hf(tmp_path):
         with cf.ThreadPoolExecutor(16) as pool:
             results = list(pool.map(lambda a: serve_vllm.complete(url, model_dir, *a),
                                     zip(prompts, max_tokens)))
+        # the same 16 from one asyncio loop (bench_vllm's client), all sent at once
+        (again, _), = serve_vllm.complete_many(url, model_dir, prompts, max_tokens)
         bad = serve_vllm.complete(url, model_dir, [1000] * 300, 4)
         after = serve_vllm.complete(url, model_dir, prompts[0], max_tokens[0])
     for p, n, r in zip(prompts, max_tokens, results):
         assert r["status"] == 200, r
         assert r["json"]["choices"][0]["token_ids"] == _hf_greedy(model_dir, p, n), len(p)
+    assert [r["json"]["choices"][0]["token_ids"] for r in again] == \
+        [r["json"]["choices"][0]["token_ids"] for r in results]
     assert bad["status"] == 400 and "maximum context length" in str(bad["json"]), bad
     assert after["status"] == 200
     assert after["json"]["choices"][0]["token_ids"] == results[0]["json"]["choices"][0]["token_ids"]

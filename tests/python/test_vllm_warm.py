@@ -89,6 +89,7 @@ def _start(model_dir: str, cache_dir: str, out) -> dict:
                TORCH_TPU_CACHE_DIR=cache_dir, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     env.pop("TORCH_TPU_COMPILE_CACHE", None)  # the plugin's default
+    env.pop("TORCH_TPU_COMPILE_CACHE_DIR", None)  # conftest's session store: this test owns $cache/dynamo
     p = subprocess.run([sys.executable, os.path.join(HERE, "test_vllm_warm.py"), model_dir,
                         str(out)], capture_output=True, text=True, env=env,
                        timeout=CHILD_TIMEOUT_S)
