@@ -1,4 +1,5 @@
 // PJRT_Buffer wrapper and element sizes.
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -11,11 +12,24 @@ namespace torch_tpu::pjrt {
 Buffer::Buffer(std::shared_ptr<Plugin> plugin, PJRT_Buffer* buffer)
     : plugin_(std::move(plugin)), buffer_(buffer) {}
 
+namespace {
+std::atomic<Buffer::DeferDestroyHook> defer_destroy_hook{nullptr};
+}  // namespace
+
+void Buffer::SetDeferDestroyHook(DeferDestroyHook hook) { defer_destroy_hook.store(hook); }
+
+void Buffer::DestroyHandle(const Plugin& plugin, PJRT_Buffer* handle) {
+  if (handle == nullptr) return;
+  PJRT_Buffer_Destroy_Args args{};
+  args.buffer = handle;
+  TORCH_TPU_PJRT_CALL_NOTHROW(plugin, PJRT_Buffer_Destroy, args);
+}
+
 Buffer::~Buffer() {
   if (buffer_ == nullptr) return;
-  PJRT_Buffer_Destroy_Args args{};
-  args.buffer = buffer_;
-  TORCH_TPU_PJRT_CALL_NOTHROW(*plugin_, PJRT_Buffer_Destroy, args);
+  if (DeferDestroyHook hook = defer_destroy_hook.load(std::memory_order_relaxed); hook && hook(plugin_, buffer_))
+    return;
+  DestroyHandle(*plugin_, buffer_);
 }
 
 PJRT_Buffer_Type Buffer::element_type() const {

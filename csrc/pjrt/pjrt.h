@@ -120,11 +120,27 @@ class HostMemory {
   size_t size_;
 };
 
-// Owns a PJRT_Buffer (destroyed in the destructor).
+// Owns a PJRT_Buffer (destroyed in the destructor, or handed to the
+// deferral hook).
 class Buffer {
  public:
   Buffer(std::shared_ptr<Plugin> plugin, PJRT_Buffer* buffer);
   ~Buffer();
+  // PJRT_Buffer_Destroy blocks while an execution that was enqueued with the
+  // buffer as an argument has not run yet (the XLA CPU plugin waits in
+  // CommonPjRtBuffer::ReleaseBuffer for the execution's hold on the
+  // buffer): dropping the last reference to a buffer right after launching
+  // a program that reads it would make the host wait for every execution
+  // queued before that one. A hook set here is offered each buffer the
+  // destructor is about to destroy: returning true, it takes the handle and
+  // must destroy it later with DestroyHandle (the runtime does so once the
+  // executions launched before have completed); false destroys it now. The
+  // hook must not destroy Buffers itself and may be called on any thread.
+  using DeferDestroyHook = bool (*)(const std::shared_ptr<Plugin>& plugin, PJRT_Buffer* handle);
+  static void SetDeferDestroyHook(DeferDestroyHook hook);
+  // PJRT_Buffer_Destroy of a handle taken by the hook (errors are ignored,
+  // as in the destructor).
+  static void DestroyHandle(const Plugin& plugin, PJRT_Buffer* handle);
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
 

@@ -266,6 +266,9 @@ Runtime& Runtime::Get() {
   if (rt->client_->platform_name() == "cpu")
     rt->compile_options_.env_option_overrides.emplace_back("xla_cpu_enable_fast_min_max", "false");
   instance = rt;
+  pjrt::Buffer::SetDeferDestroyHook(+[](const std::shared_ptr<pjrt::Plugin>& plugin, PJRT_Buffer* handle) {
+    return instance != nullptr && instance->DeferDestroy(plugin, handle);
+  });
   return *instance;
 }
 
@@ -347,19 +350,41 @@ void Runtime::Download(const StorageBuffer& buffer, void* dst, size_t nbytes) {
   }
 }
 
-void Runtime::Track(std::unique_ptr<pjrt::Event> event, std::string op_name) {
+void Runtime::DestroyDead(std::vector<DeadBuffer>& dead) {
+  for (auto& d : dead) pjrt::Buffer::DestroyHandle(*d.plugin, d.handle);
+  dead.clear();
+}
+
+bool Runtime::DeferDestroy(const std::shared_ptr<pjrt::Plugin>& plugin, PJRT_Buffer* handle) {
   std::lock_guard<std::mutex> lock(inflight_mutex_);
-  // Drop completed launches from the front so the queue stays short; a
-  // failed one stays for Sync() to report.
-  while (inflight_.size() > 64 && inflight_.front().first->IsReady()) {
-    try {
-      inflight_.front().first->Await();
-    } catch (const pjrt::Error&) {
-      break;
+  if (inflight_.empty()) return false;
+  inflight_.back().dead.push_back(DeadBuffer{plugin, handle});
+  return true;
+}
+
+void Runtime::Track(std::unique_ptr<pjrt::Event> event, std::string op_name) {
+  std::vector<DeadBuffer> dead;
+  std::vector<std::unique_ptr<pjrt::Event>> done;
+  {
+    std::lock_guard<std::mutex> lock(inflight_mutex_);
+    // Drop completed launches from the front, in launch order: a buffer
+    // dropped after a launch was tracked may be read by it or by any
+    // launch before it, so it is destroyed (without waiting) once they
+    // all completed. A failed launch stays for Sync() to report.
+    while (!inflight_.empty() && inflight_.front().event->IsReady()) {
+      try {
+        inflight_.front().event->Await();
+      } catch (const pjrt::Error&) {
+        break;
+      }
+      auto& front = inflight_.front();
+      dead.insert(dead.end(), front.dead.begin(), front.dead.end());
+      done.push_back(std::move(front.event));
+      inflight_.pop_front();
     }
-    inflight_.pop_front();
+    inflight_.push_back(InFlight{std::move(event), std::move(op_name), {}});
   }
-  inflight_.emplace_back(std::move(event), std::move(op_name));
+  DestroyDead(dead);  // outside the lock: nothing here may re-enter DeferDestroy under it
 }
 
 namespace {
@@ -435,23 +460,26 @@ std::shared_ptr<CheckState> Runtime::AddPendingCheck(std::shared_ptr<pjrt::Buffe
 
 void Runtime::Sync() {
   FlushPendingWork();
-  std::deque<std::pair<std::unique_ptr<pjrt::Event>, std::string>> pending;
+  std::deque<InFlight> pending;
   {
     std::lock_guard<std::mutex> lock(inflight_mutex_);
     pending.swap(inflight_);
   }
   std::optional<pjrt::Error> first_error;
   std::string first_name;
-  for (auto& [event, name] : pending) {
+  for (auto& entry : pending) {
     try {
-      event->Await();
+      entry.event->Await();
     } catch (const pjrt::Error& e) {
       if (!first_error) {
         first_error = e;
-        first_name = name;
+        first_name = entry.op_name;
       }
     }
   }
+  // Every launch tracked before Sync has completed: the buffers dropped
+  // meanwhile are destroyed without waiting.
+  for (auto& entry : pending) DestroyDead(entry.dead);
   if (first_error) RethrowDeviceError(*first_error, first_name, -1);
   CheckList checks;
   {
@@ -463,8 +491,8 @@ void Runtime::Sync() {
 
 bool Runtime::Idle() {
   std::lock_guard<std::mutex> lock(inflight_mutex_);
-  for (const auto& [event, name] : inflight_)
-    if (!event->IsReady()) return false;
+  for (const auto& entry : inflight_)
+    if (!entry.event->IsReady()) return false;
   return true;
 }
 

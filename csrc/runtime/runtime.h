@@ -243,9 +243,18 @@ class Runtime {
   static std::string ValueCheckMessage(const std::string& message);
 
   // In-flight executions: an event per launch, named by its op. Sync()
-  // waits for all and rethrows the first failure naming its op.
+  // waits for all and rethrows the first failure naming its op. Track drops
+  // the completed launches at the queue's front (a failed one stays for
+  // Sync to report).
   void Track(std::unique_ptr<pjrt::Event> event, std::string op_name);
   void Sync();
+  // The pjrt::Buffer deferral hook (pjrt::Buffer::SetDeferDestroyHook, set
+  // when the runtime is created): a buffer dropped while launches are in
+  // flight is destroyed once every launch tracked so far has completed (when
+  // Track or Sync drops the newest of them), so that the host never waits in
+  // PJRT_Buffer_Destroy for an execution queued behind others. Returns false
+  // (destroy now) when nothing is in flight.
+  bool DeferDestroy(const std::shared_ptr<pjrt::Plugin>& plugin, PJRT_Buffer* handle);
 
   // True when every tracked launch has completed (failed ones included).
   bool Idle();
@@ -288,8 +297,18 @@ class Runtime {
   std::vector<std::pair<ScalarKey, std::shared_ptr<pjrt::Buffer>>> scalars_;  // most recent last
   std::mutex checks_mutex_;
   CheckList checks_;
+  struct DeadBuffer {
+    std::shared_ptr<pjrt::Plugin> plugin;
+    PJRT_Buffer* handle;
+  };
+  struct InFlight {
+    std::unique_ptr<pjrt::Event> event;
+    std::string op_name;
+    std::vector<DeadBuffer> dead;  // dropped after this launch was tracked: destroyed once it completed
+  };
+  static void DestroyDead(std::vector<DeadBuffer>& dead);
   std::mutex inflight_mutex_;
-  std::deque<std::pair<std::unique_ptr<pjrt::Event>, std::string>> inflight_;
+  std::deque<InFlight> inflight_;
   std::atomic<int64_t> allocated_{0}, peak_{0}, num_allocs_{0}, limit_{0};
   static constexpr int kMaxDevices = 256;
   std::atomic<int64_t> total_memory_[kMaxDevices];  // TotalMemory per device; -1 until asked
