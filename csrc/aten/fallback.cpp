@@ -911,9 +911,13 @@ void ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle&
     }
     const runtime::OutputSlot& o = compiled.outputs[static_cast<size_t>(rs.index)];
     std::vector<int64_t> sizes = o.sizes;
-    if (o.dynamic)
-      sizes[static_cast<size_t>(o.dynamic_dim)] =
-          originals[static_cast<size_t>(compiled.poly_leader)].toTensor().size(compiled.poly_dim);
+    if (o.dynamic) {
+      const c10::IValue& leader = originals[static_cast<size_t>(compiled.poly_leader)];
+      const at::Tensor& t = compiled.poly_leader_item < 0
+                                ? leader.toTensor()
+                                : leader.toListRef()[static_cast<size_t>(compiled.poly_leader_item)].toTensor();
+      sizes[static_cast<size_t>(o.dynamic_dim)] = o.dynamic_scale * t.size(compiled.poly_dim) + o.dynamic_offset;
+    }
     const at::Tensor& host = stack[rfirst + r].toTensor();
     TORCH_CHECK(host.defined() && host.sizes() == c10::IntArrayRef(sizes) && host.scalar_type() == o.dtype,
                 "torch_tpu: ", compiled.name, ": the CPU kernel of a host-first call returned ",

@@ -846,6 +846,32 @@ std::vector<Value> LowerCat(LoweringContext& ctx) {
     parts.push_back(Cast(b, v, out.dtype));
   }
   if (parts.empty()) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
+  if (ctx.poly_extent && !list.dynamic_items.empty()) {
+    // A shape-polymorphic program (LoweringTraits::poly_concat): items
+    // marked dynamic are read at the bucket B along `dim` (real size: the
+    // runtime extent n); the output is sized for them at B. Each item is
+    // written at its real offset (a runtime value once a dynamic item
+    // precedes it), in order, so later items overwrite the padding rows of
+    // the earlier ones; the output's rows past the real total are padding.
+    // Every start is in bounds (offset + size <= the output's size for
+    // every n <= B), so dynamic_update_slice never clamps.
+    if (dim != ctx.poly_dim) throw LoweringError("cat: polymorphic along another dim than the cat dim");
+    hlo::TensorType index{ElementType::kS64, {}};
+    Value result = Const(b, ToElementType(out.dtype), 0, out.sizes);
+    Value offset = b.ConstantInt(index, 0);
+    for (size_t i = 0; i < list.list.size(); ++i) {
+      if (!list.present[i]) continue;
+      const Value& v = list.list[i];
+      if (v.rank() == 1 && v.dims()[0] == 0 && rank != 1) continue;
+      if (v.type.numel() == 0) continue;
+      const bool dynamic = i < list.dynamic_items.size() && list.dynamic_items[i];
+      std::vector<Value> starts;
+      for (int64_t d = 0; d < rank; ++d) starts.push_back(d == dim ? offset : b.ConstantInt(index, 0));
+      result = b.DynamicUpdateSlice(result, Cast(b, v, out.dtype), starts);
+      offset = b.Add(offset, dynamic ? *ctx.poly_extent : b.ConstantInt(index, v.dims()[static_cast<size_t>(dim)]));
+    }
+    return {Out(b, result, out)};
+  }
   return {Out(b, b.Concatenate(parts, dim), out)};
 }
 

@@ -52,6 +52,11 @@ struct LoweredArg {
   // input's layout (det/slogdet factor A^T when A is contiguous, and their
   // backward reads that LU). Graph lowering sees values: always true.
   bool contiguous = true;
+  // kTensorList in a shape-polymorphic program (LoweringContext::poly_extent):
+  // per item, whether it is read at the bucket along poly_dim (its real size
+  // there is the runtime extent; positions past it are padding). Empty
+  // otherwise.
+  std::vector<bool> dynamic_items;
 };
 
 // The output PyTorch's meta kernel computed for a returned tensor.
@@ -74,6 +79,12 @@ class LoweringContext {
   const c10::FunctionSchema& schema;
   std::vector<LoweredArg> args;      // schema order, out= arguments excluded
   std::vector<OutputSpec> outputs;   // one per returned tensor
+  // A shape-polymorphic program of a poly_concat entry (eager executors):
+  // the runtime extent (s64, 0-d) of the list items marked in
+  // LoweredArg::dynamic_items, which are read at the bucket along dim
+  // `poly_dim`; outputs are sized at the bucket. Unset otherwise.
+  std::optional<hlo::Value> poly_extent;
+  int64_t poly_dim = 0;
 
   // Lookup by schema argument name; throws LoweringError if absent.
   const LoweredArg& arg(std::string_view name) const;
@@ -169,6 +180,11 @@ struct LoweringTraits {
   // Set by the registry for the families that are exact on a bucketed
   // leading dim (registry.cpp, kShapePoly); never by an entry itself.
   PadFill shape_poly = PadFill::kNone;
+  // Set by the registry for cat: the dynamic dim is the concatenation dim
+  // of a tensor list, some of whose items have the extent there (the KV
+  // cache's growing operand); the lowering places every later item at a
+  // runtime offset (LoweringContext::poly_extent).
+  bool poly_concat = false;
   // Only for whole-graph lowering (torch.compile): view ops (view, permute,
   // slice, ...) computed as values — eager tpu views are metadata over a
   // shared storage and never reach a lowering — and ops whose eager form

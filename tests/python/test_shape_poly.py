@@ -584,3 +584,78 @@ def test_repeat_kv_bounded_compiles(strict):
         _same(_repeat_kv(k.to(TPU)), _repeat_kv(k))
     compiles = torch_tpu.metrics()["compiles_by_op"]["aten::clone"]["compiles"] - before
     assert compiles <= 2 + len(buckets), compiles
+
+
+# --- cat along the dynamic dim (the KV cache's growing operand) ------------
+
+CAT_LENGTHS = [0, 1, 15, 16, 17, 19, 20, 21]
+
+
+def _cat_cases(n):
+    """(tensors, dim) calls whose items of the largest size n along the cat dim are dynamic:
+    the KV cache ([1, 2, n, 16] + [1, 2, 1, 16] along -2), generate()'s attention mask
+    ([1, n] + [1, 1] int64), a static item before and after the dynamic one (later items at a
+    runtime offset), two dynamic items (output 2n + 1), bool, and type promotion."""
+    past = _data_at((1, 2, n, 16), seed=1)
+    new = _data_at((1, 2, 1, 16), seed=2)
+    mask = _data_at((1, n), torch.int64, seed=3)
+    one = torch.ones((1, 1), dtype=torch.int64)
+    head = _data_at((1, 2, 3, 16), seed=4)
+    x = _data_at((2, n, 3), torch.float64, seed=5)
+    y = _data_at((2, 1, 3), torch.float64, seed=6)
+    b = _data_at((3, n), torch.bool, seed=7)
+    i32 = _data_at((n, 4), torch.int32, seed=8)
+    f = _data_at((2, 4), seed=9)
+    return [([past, new], -2), ([mask, one], -1), ([head, past, new], 2), ([x, y, x], 1),
+            ([b, b[:, :1].clone()], 1), ([i32, f], 0)]
+
+
+def test_cat_dynamic_operand_values(mode):
+    """cat whose growing operand is one (or more) of the items: every length, bucket edges
+    and 0 and 1 included, equals CPU exactly (a copy: no rounding), NaN and inf included."""
+    with no_cpu_fallback():
+        for n in CAT_LENGTHS:
+            for tensors, dim in _cat_cases(n):
+                _same(torch.cat([t.to(TPU) for t in tensors], dim), torch.cat(tensors, dim))
+
+
+def _cat_compiles():
+    return torch_tpu.metrics()["compiles_by_op"].get("aten::cat", {}).get("compiles", 0)
+
+
+def test_cat_bounded_compiles(strict):
+    """20 lengths of the KV-cache cat and the mask cat (fresh uploads): per call site at most
+    kPolyAfter exact programs plus one per bucket; later lengths of a bucket compile nothing."""
+    lengths = list(range(101, 121))
+    buckets = {capacity(n) for n in lengths}
+    before = _cat_compiles()
+    for n in lengths:
+        for tensors, dim in _cat_cases(n)[:2]:
+            _same(torch.cat([t.to(TPU) for t in tensors], dim), torch.cat(tensors, dim))
+    compiles = _cat_compiles() - before
+    assert compiles <= 2 * (2 + len(buckets)), (compiles, len(buckets))
+    before = _cat_compiles()
+    for n in [102, 111, 117]:
+        for tensors, dim in _cat_cases(n)[:2]:
+            _same(torch.cat([t.to(TPU) for t in tensors], dim), torch.cat(tensors, dim))
+    assert _cat_compiles() == before
+
+
+def test_cat_growing_cache(strict):
+    """The KV cache as generate() grows it (each step's past is the previous step's cat
+    output, a bucket-sized buffer): values equal CPU's at every step; cat compiles at most
+    kPolyAfter exact programs plus two per bucket (a bucket's first step reads the previous
+    bucket's buffer, whose size is in the key)."""
+    past_cpu = _data_at((1, 2, 100, 8), torch.float64, seed=1)
+    past = past_cpu.to(TPU)
+    lengths = list(range(100, 130))
+    buckets = {capacity(n) for n in lengths}
+    before = _cat_compiles()
+    for n in lengths:
+        new_cpu = _data_at((1, 2, 1, 8), torch.float64, seed=n)
+        past_cpu = torch.cat([past_cpu, new_cpu], -2)
+        past = torch.cat([past, new_cpu.to(TPU)], -2)
+        _same(past, past_cpu)
+        _same(past * 2, past_cpu * 2)  # the bucket-sized buffer feeds other programs
+    compiles = _cat_compiles() - before
+    assert compiles <= 2 + 2 * len(buckets), (compiles, len(buckets))
