@@ -711,7 +711,12 @@ def error_section(outcomes: dict, meta: dict) -> list[str]:
       "dense or not, run on a CPU mirror (CPU's error or CPU's element-order result). Not checked, no "
       "cheap check being available: `histc` with a non-finite range, `segment_reduce`'s unsafe=False "
       "checks, the out= dtype exactness of `aminmax`/`multinomial` and the out= overlaps of `cat` (after "
-      "resizing) and `kthvalue` (below); torch.compile graphs evaluate no value checks.")
+      "resizing) and `kthvalue` (below). torch.compile(backend=\"tpu\") graphs evaluate the same value and "
+      "index checks (each a pred output of the graph's program, raised at the next sync point after the "
+      "graph with CPU's exception type, naming the op; in fused regions holding the graph too; "
+      "tests/python/test_compile_checks.py); a symbolic graph with a check is bucketed only where the "
+      "checked operand's padding is masked (`remainder`, `fmod`, `div(rounding_mode=...)` divisors, "
+      "`embedding` indices), and compiles per shape otherwise.")
     w("")
     by_mode = collections.defaultdict(collections.Counter)
     via_fallback = collections.Counter()

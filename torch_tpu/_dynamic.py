@@ -257,6 +257,23 @@ _REDUCTIONS = {
 }
 _MEANS = {aten.mean.dim, aten.mean.default}
 
+# Ops whose program checks an operand's values (CPU raises there: integer
+# division by zero, an embedding index out of range; GraphProgram
+# check_messages) -> (argument index, the value its padded positions take:
+# one no check fails on). Padding holds zeros, or what the graph computed
+# from them (an arange past the real length): masked like a reduction's
+# operand, so a check sees only real positions. The division family is
+# checked (and masked) only for integer results. A bucketed program with a
+# check of any other op is compiled per exact shape (Bucketed._build).
+_CHECKED_OPERANDS = {
+    aten.remainder.Tensor: (1, 1), aten.remainder.Scalar_Tensor: (1, 1), aten.fmod.Tensor: (1, 1),
+    aten.div.Tensor_mode: (1, 1),
+    aten.embedding.default: (1, 0),
+}
+_CHECKED_OP_NAMES = {f"aten::{t._schema.name.split('::')[-1]}" + (f".{t._schema.overload_name}"
+                                                                   if t._schema.overload_name else "")
+                     for t in _CHECKED_OPERANDS}
+
 
 def _fill_value(fill, dtype: torch.dtype):
     if dtype == torch.bool:
@@ -448,7 +465,24 @@ def _mask(plan, node, arg_index, dim, factors, fill):
     plan.masks.setdefault(node, []).append((arg_index, dim, factors[0], fill))
 
 
+def _mask_checked(node, target, dims, plan) -> None:
+    """Masks the padded positions of the operand `target` checks
+    (_CHECKED_OPERANDS)."""
+    arg_index, fill = _CHECKED_OPERANDS[target]
+    val = _val(node)
+    if target is not aten.embedding.default and (val.dtype.is_floating_point or val.dtype.is_complex):
+        return  # no check: a floating division gives inf/nan, as CPU
+    if len(node.args) <= arg_index:
+        raise _Reject(f"node {node.format_node()}: its checked operand is not positional")
+    operand = _arg_dims(node.args[arg_index], dims)
+    for d, f in enumerate(operand or []):
+        if _is_sym(f):
+            _mask(plan, node, arg_index, d, f, fill)
+
+
 def _rule(node, target, dims, plan):
+    if target in _CHECKED_OPERANDS:
+        _mask_checked(node, target, dims, plan)
     args = node.args
     val = _val(node)
     x = _arg_dims(args[0], dims) if args else None
@@ -788,6 +822,13 @@ class Bucketed:
         gm, positions, output_plan, fakes = _concretize(self.gm, self.plan, sizes, masked, args)
         kind = "b" if masked else "x"
         program = _Program(gm, fakes, f"{self.name}_{kind}" + "_".join(str(v) for v in sizes.values()))
+        if masked:
+            # A check on the padding would raise where CPU does not: only
+            # the ops whose checked operand is masked may check.
+            for message in program.program.check_messages:
+                op = message.split(": ", 1)[0]
+                if op not in _CHECKED_OP_NAMES:
+                    raise _Reject(f"{op} checks its values (padding could fail the check)")
         program.compile()  # GraphLoweringError, RuntimeError: see __call__
         graph_stats["programs"] += 1
         stats["bucket_programs" if masked else "exact_programs"] += 1
@@ -809,7 +850,16 @@ class Bucketed:
         entry = self.programs.get(key)
         if entry is None:
             try:
-                entry = self._build(sizes, masked, call)
+                try:
+                    entry = self._build(sizes, masked, call)
+                except _Reject as e:  # only a masked build rejects: per exact shape from now on
+                    self.reason = str(e)
+                    stats["fallback_graphs"] += 1
+                    _debug(f"{self.name} ({self.kind}): compiled per shape, not per bucket: {self.reason}")
+                    self.programs.clear()
+                    masked, sizes = False, real
+                    key = tuple(sizes.values())
+                    entry = self._build(sizes, masked, call)
             except GraphLoweringError as e:
                 self._run_eagerly(str(e))
             except RuntimeError as e:  # a compile error of the module: a lowering bug

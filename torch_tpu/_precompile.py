@@ -987,7 +987,10 @@ def maybe_enable_from_env() -> None:
 
 # --- the artifacts: AOTAutograd's bundled entry around tpu programs ----------
 
-_PRECOMPILE_FORMAT = 2
+# 3: programs compute their calls' value and index checks (raised at the
+# next sync point); a format-2 entry was saved by a torch_tpu whose graphs
+# dropped them, and is not loaded (its frame compiles again).
+_PRECOMPILE_FORMAT = 3
 
 
 def _bypass(reason: str) -> Exception:

@@ -129,8 +129,8 @@ class LoweringContext {
   // A check PyTorch makes on the input VALUES (CPU raises before computing):
   // `bad` is a 0-d pred, true when the input is invalid. The eager executors
   // raise RuntimeError(`message`, prefixed by the op) at the next sync point
-  // (debug mode: right after the op), as they do for index checks; graph
-  // lowering (torch.compile) does not evaluate them.
+  // (debug mode: right after the op), as they do for index checks; compiled
+  // graphs (graph_program.cpp) raise them at the sync point after the graph.
   void check(hlo::Value bad, std::string message);
   std::vector<std::pair<hlo::Value, std::string>> checks;
   // As check(), where CPU raises IndexError (nll_loss: "Target 5 is out of

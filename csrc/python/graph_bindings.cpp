@@ -14,6 +14,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "runtime/graph_program.h"
+#include "runtime/runtime.h"
 
 namespace py = pybind11;
 using torch_tpu::runtime::GraphArg;
@@ -182,7 +183,17 @@ void BindGraphProgram(py::module& m) {
       .def_property_readonly("name", &GraphProgram::name)
       .def_property_readonly("num_inputs", &GraphProgram::num_inputs)
       .def_property_readonly("num_calls", &GraphProgram::num_calls)
-      .def_property_readonly("num_rng_ops", &GraphProgram::num_rng_ops);
+      .def_property_readonly("num_rng_ops", &GraphProgram::num_rng_ops)
+      // The checks the program computes (after set_outputs): their
+      // messages, each starting with the ATen op ("aten::floor_divide:
+      // ZeroDivisionError ..."), without the runtime's RuntimeError mark.
+      .def_property_readonly("check_messages", [](const GraphProgram& p) {
+        const std::string mark = torch_tpu::runtime::Runtime::ValueCheckMessage("");
+        std::vector<std::string> out;
+        for (const auto& m : p.check_messages())
+          out.push_back(m.compare(0, mark.size(), mark) == 0 ? m.substr(mark.size()) : m);
+        return out;
+      });
 
   m.def("_graph_has_lowering", &GraphProgram::HasLowering, py::arg("op"),
         "Whether an op ('aten::add.Tensor') has a tpu lowering");

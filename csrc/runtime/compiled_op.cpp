@@ -779,8 +779,11 @@ void ProgramBuilder::Define(const DeviceStorage* storage, hlo::ElementType eleme
   storages.push_back({storage, InputSlot{}, element, numel, std::nullopt, std::move(flat)});
 }
 
-void ProgramBuilder::AddIndexChecks(const std::string& name, const lowering::LoweringContext& ctx,
-                                    const lowering::LoweringEntry& entry) {
+const char kEagerCheckWhere[] = " (found at the next sync point; TORCH_TPU_EAGER_MODE=debug stops at the op)";
+
+void IndexRangeChecks(hlo::Builder& b, const std::string& name, const lowering::LoweringContext& ctx,
+                      const lowering::LoweringEntry& entry, const std::string& where,
+                      std::vector<ProgramCheck>& checks) {
   for (const auto& check : entry.traits.index_checks) {
     const LoweredArg* index = ctx.find(check.index);
     const LoweredArg* source = ctx.find(check.source);
@@ -801,9 +804,8 @@ void ProgramBuilder::AddIndexChecks(const std::string& name, const lowering::Low
     auto add = [&](const hlo::Value& idx, int64_t dim) {
       if (auto bad = out_of_range(idx, dim)) {
         std::string message = name + ": index out of range for dimension " + std::to_string(dim) + " with size " +
-                              std::to_string(dims.empty() ? 1 : dims[dim]) +
-                              " (found at the next sync point; TORCH_TPU_EAGER_MODE=debug stops at the op)";
-        index_checks.emplace_back(*bad, check.runtime_error ? Runtime::ValueCheckMessage(message) : message);
+                              std::to_string(dims.empty() ? 1 : dims[dim]) + where;
+        checks.emplace_back(*bad, check.runtime_error ? Runtime::ValueCheckMessage(message) : message);
       }
     };
     if (index->kind == LoweredArg::Kind::kTensor) {
@@ -816,6 +818,14 @@ void ProgramBuilder::AddIndexChecks(const std::string& name, const lowering::Low
         if (index->present[j]) add(index->list[j], static_cast<int64_t>(j));
     }
   }
+}
+
+void LoweringChecks(const std::string& name, const lowering::LoweringContext& ctx, const std::string& where,
+                    std::vector<ProgramCheck>& checks) {
+  for (const auto& [bad, message] : ctx.checks)
+    checks.emplace_back(bad, Runtime::ValueCheckMessage(name + ": " + message + where));
+  for (const auto& [bad, message] : ctx.index_errors)  // raised as IndexError
+    checks.emplace_back(bad, name + ": " + message + where);
 }
 
 std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, const c10::OperatorHandle& op,
@@ -916,7 +926,7 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
   }
   if (!lowering::ComplexSupported(entry, ctx))
     throw UnsupportedOp(name + ": no complex lowering (runs on the CPU)");
-  AddIndexChecks(name, ctx, entry);
+  IndexRangeChecks(b, name, ctx, entry, kEagerCheckWhere, index_checks);
 
   std::vector<hlo::Value> results;
   try {
@@ -926,13 +936,7 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
   } catch (const hlo::BuildError& e) {
     throw UnsupportedOp("lowering of " + name + " failed: " + e.what());
   }
-  for (auto& [bad, message] : ctx.checks)
-    index_checks.emplace_back(bad, Runtime::ValueCheckMessage(
-                                       name + ": " + message +
-                                       " (found at the next sync point; TORCH_TPU_EAGER_MODE=debug stops at the op)"));
-  for (auto& [bad, message] : ctx.index_errors)  // raised as IndexError
-    index_checks.emplace_back(
-        bad, name + ": " + message + " (found at the next sync point; TORCH_TPU_EAGER_MODE=debug stops at the op)");
+  LoweringChecks(name, ctx, kEagerCheckWhere, index_checks);
   if (results.size() != spec.outputs.size())
     throw std::logic_error("lowering of " + name + " returned " + std::to_string(results.size()) + " values for " +
                            std::to_string(spec.outputs.size()) + " returns");

@@ -145,6 +145,26 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
                      int64_t extent = 0, int64_t dim = 0);
 void ApplyResizes(const CallSpec& spec, const torch::jit::Stack& stack, size_t first);
 
+// The checks one lowered call computes beside its results (pred 0-d values,
+// true = the call's inputs are invalid) and the message each raises at the
+// next sync point (Runtime::AddPendingCheck): IndexRangeChecks for the
+// entry's index_checks traits (computed from `ctx`'s arguments: an
+// IndexError naming the dimension and size, RuntimeError where
+// IndexCheck::runtime_error), LoweringChecks for what the lowering declared
+// (ctx.checks: RuntimeError, marked by Runtime::ValueCheckMessage;
+// ctx.index_errors: IndexError). Messages start with `name` (the ATen op,
+// "aten::floor_divide.Tensor") and end with `where` (when it is raised).
+// Shared by the eager executors (ProgramBuilder) and compiled graphs
+// (graph_program.cpp).
+using ProgramCheck = std::pair<hlo::Value, std::string>;
+void IndexRangeChecks(hlo::Builder& b, const std::string& name, const lowering::LoweringContext& ctx,
+                      const lowering::LoweringEntry& entry, const std::string& where,
+                      std::vector<ProgramCheck>& checks);
+void LoweringChecks(const std::string& name, const lowering::LoweringContext& ctx, const std::string& where,
+                    std::vector<ProgramCheck>& checks);
+// `where` of the eager executors' messages.
+extern const char kEagerCheckWhere[];
+
 // Builds one program from one or more ATen calls over tpu storages
 // (DESIGN.md, "Memory model"): a storage read for the first time becomes a
 // parameter (the whole rank-1 buffer), each tensor argument is its view,
@@ -222,8 +242,6 @@ class ProgramBuilder {
   bool PolyDynamic(const InputSlot& use) const;
   hlo::Value PolyRows(const at::Tensor& t, hlo::Value flat);  // a dynamic tensor at the bucket, padding filled
   void WriteTensor(const at::Tensor& t, const InputSlot& use, hlo::Value value);
-  void AddIndexChecks(const std::string& name, const lowering::LoweringContext& ctx,
-                      const lowering::LoweringEntry& entry);
 };
 
 // Compiles a module through the on-disk cache, counting metrics; errors

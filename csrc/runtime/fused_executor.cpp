@@ -809,7 +809,11 @@ class FusedExecutor {
       slot.rng_increment = increment;
       pb.inputs.push_back(slot);
     }
-    std::vector<hlo::Value> outs = g.EmitInto(pb.b, inputs, rng);
+    // The graph's checks become the region's (raised at the sync point
+    // after the region runs, as the graph's own launch would).
+    std::vector<hlo::Value> checks;
+    std::vector<hlo::Value> outs = g.EmitInto(pb.b, inputs, rng, &checks);
+    for (size_t k = 0; k < checks.size(); ++k) pb.index_checks.emplace_back(checks[k], g.check_messages()[k]);
     if (GraphBarrier() && !outs.empty()) {
       std::vector<hlo::TensorType> types;
       for (const auto& v : outs) types.push_back(v.type);

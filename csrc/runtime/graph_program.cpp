@@ -164,7 +164,7 @@ std::vector<int> GraphProgram::AddCall(const c10::OperatorHandle& op, std::vecto
   CallRecord call{op, entry, std::move(args), outputs, c10::get_default_dtype()};
   std::optional<hlo::Value> rng_state;
   if (entry->traits.needs_rng) rng_state = builder_.Parameter(hlo::TensorType{hlo::ElementType::kU64, {2}});
-  std::vector<int> ids = LowerCall(builder_, values_, call, rng_state);
+  std::vector<int> ids = LowerCall(builder_, values_, call, rng_state, checks_);
   if (entry->traits.needs_rng) {
     params_.push_back({true, static_cast<int>(rng_increments_.size())});
     rng_increments_.push_back(lowering::LoweringContext::RngIncrement(outputs));
@@ -183,7 +183,7 @@ const GraphProgram::ValueInfo& GraphProgram::ValueAt(const std::vector<ValueInfo
 }
 
 std::vector<int> GraphProgram::LowerCall(hlo::Builder& b, std::vector<ValueInfo>& values, const CallRecord& call,
-                                         std::optional<hlo::Value> rng_state) {
+                                         std::optional<hlo::Value> rng_state, std::vector<Check>& checks) const {
   const auto& schema = call.op.schema();
   const std::string op_name = OpName(schema);
   const lowering::LoweringEntry* entry = call.entry;
@@ -272,6 +272,16 @@ std::vector<int> GraphProgram::LowerCall(hlo::Builder& b, std::vector<ValueInfo>
   }
 
   if (!lowering::ComplexSupported(*entry, ctx)) throw GraphUnsupported(op_name + ": no complex lowering");
+  // The checks CPU makes on the values, as the eager executors compute them
+  // (ProgramBuilder::AddCall: index ranges from the arguments before the
+  // lowering, then what the lowering declared), raised at the next sync
+  // point.
+  const std::string where = " (found at the next sync point after compiled graph " + name_ + ")";
+  try {
+    IndexRangeChecks(b, op_name, ctx, *entry, where, checks);
+  } catch (const hlo::BuildError& e) {
+    throw GraphUnsupported("index checks of " + op_name + " failed: " + e.what());
+  }
   std::vector<hlo::Value> results;
   try {
     results = entry->fn(ctx);
@@ -281,6 +291,7 @@ std::vector<int> GraphProgram::LowerCall(hlo::Builder& b, std::vector<ValueInfo>
     throw GraphUnsupported("lowering of " + op_name + " failed: " + e.what());
   }
   if (!ctx.writes.empty()) throw GraphUnsupported(op_name + " writes to its arguments (not functional)");
+  LoweringChecks(op_name, ctx, where, checks);
   if (results.size() != outputs.size())
     throw GraphUnsupported("lowering of " + op_name + " returned " + std::to_string(results.size()) +
                            " values for " + std::to_string(outputs.size()) + " outputs");
@@ -312,7 +323,8 @@ std::vector<int> GraphProgram::LowerCall(hlo::Builder& b, std::vector<ValueInfo>
 }
 
 std::vector<hlo::Value> GraphProgram::EmitInto(hlo::Builder& b, std::span<const hlo::Value> inputs,
-                                               std::span<const hlo::Value> rng) const {
+                                               std::span<const hlo::Value> rng,
+                                               std::vector<hlo::Value>* checks) const {
   if (!outputs_set_) throw std::logic_error("GraphProgram: EmitInto before SetOutputs");
   if (inputs.size() != inputs_.size() || rng.size() != rng_increments_.size())
     throw std::invalid_argument("tpu graph " + name_ + ": EmitInto with " + std::to_string(inputs.size()) +
@@ -325,6 +337,7 @@ std::vector<hlo::Value> GraphProgram::EmitInto(hlo::Builder& b, std::span<const 
   } restore{c10::get_default_dtype()};
   std::vector<ValueInfo> values;
   values.reserve(values_.size());
+  std::vector<Check> raw_checks;
   size_t next_rng = 0;
   for (int step : steps_) {
     if (step < 0) {
@@ -346,7 +359,7 @@ std::vector<hlo::Value> GraphProgram::EmitInto(hlo::Builder& b, std::span<const 
     c10::set_default_dtype(call.default_dtype);
     std::optional<hlo::Value> rng_state;
     if (call.entry->traits.needs_rng) rng_state = rng[next_rng++];
-    LowerCall(b, values, call, rng_state);
+    LowerCall(b, values, call, rng_state, raw_checks);
   }
   if (values.size() != values_.size())
     throw std::logic_error("tpu graph " + name_ + ": EmitInto made " + std::to_string(values.size()) +
@@ -354,7 +367,31 @@ std::vector<hlo::Value> GraphProgram::EmitInto(hlo::Builder& b, std::span<const 
   std::vector<hlo::Value> results;
   results.reserve(computed_ids_.size());
   for (int id : computed_ids_) results.push_back(values[static_cast<size_t>(id)].value);
+  if (checks) {
+    std::vector<std::string> messages;
+    *checks = CombineChecks(b, raw_checks, &messages);
+    if (messages != check_messages_)
+      throw std::logic_error("tpu graph " + name_ + ": EmitInto computed other checks than the graph");
+  }
   return results;
+}
+
+std::vector<hlo::Value> GraphProgram::CombineChecks(hlo::Builder& b, const std::vector<Check>& checks,
+                                                    std::vector<std::string>* messages) {
+  std::vector<hlo::Value> preds;
+  std::vector<std::string> seen;
+  for (const auto& [bad, message] : checks) {
+    auto it = std::find(seen.begin(), seen.end(), message);
+    if (it == seen.end()) {
+      seen.push_back(message);
+      preds.push_back(bad);
+    } else {
+      hlo::Value& pred = preds[static_cast<size_t>(it - seen.begin())];
+      pred = b.Or(pred, bad);
+    }
+  }
+  if (messages) *messages = std::move(seen);
+  return preds;
 }
 
 void GraphProgram::SetOutputs(const std::vector<int>& ids) {
@@ -384,6 +421,9 @@ void GraphProgram::SetOutputs(const std::vector<int>& ids) {
   }
   output_ids_ = ids;
   computed_ids_ = computed_ids;
+  // The checks' preds follow the results (none: the program is unchanged).
+  for (hlo::Value& pred : CombineChecks(builder_, checks_, &check_messages_)) program_results.push_back(pred);
+  checks_.clear();
   builder_.Return(program_results);
   outputs_set_ = true;
 }
@@ -595,6 +635,14 @@ std::vector<at::Tensor> GraphProgram::Launch(const std::vector<at::Tensor>& inpu
   rt.metrics().executions++;
   if (!donated.empty()) rt.metrics().donated_buffers += static_cast<int64_t>(donated.size());
 
+  if (outs.size() != output_specs_.size() + check_messages_.size())
+    throw std::logic_error("tpu graph " + name_ + ": " + std::to_string(outs.size()) + " outputs for " +
+                           std::to_string(output_specs_.size()) + " results and " +
+                           std::to_string(check_messages_.size()) + " checks");
+  std::vector<std::unique_ptr<pjrt::Buffer>> flags;
+  for (size_t i = output_specs_.size(); i < outs.size(); ++i) flags.push_back(std::move(outs[i]));
+  outs.resize(output_specs_.size());
+  const CheckList own = flags.empty() ? CheckList{} : RegisterChecks(std::move(flags));
   std::vector<at::Tensor> computed;
   computed.reserve(outs.size());
   for (size_t i = 0; i < outs.size(); ++i) {
@@ -602,7 +650,7 @@ std::vector<at::Tensor> GraphProgram::Launch(const std::vector<at::Tensor>& inpu
     hlo::ElementType element = lowering::ToElementType(spec.dtype);
     StorageBuffer sb{std::shared_ptr<pjrt::Buffer>(std::move(outs[i])), element, Capacity(Numel(spec.sizes)),
                      producer};
-    PoisonWith(sb, inherited, {});
+    PoisonWith(sb, inherited, own);
     computed.push_back(WrapBuffer(std::move(sb), spec.sizes, spec.dtype, device_index));
   }
   if (done) rt.Track(std::move(done), producer);
@@ -611,6 +659,17 @@ std::vector<at::Tensor> GraphProgram::Launch(const std::vector<at::Tensor>& inpu
     computed[static_cast<size_t>(result)] = inputs[static_cast<size_t>(input)];
   }
   return computed;
+}
+
+CheckList GraphProgram::RegisterChecks(std::vector<std::unique_ptr<pjrt::Buffer>> flags) const {
+  // Each flag raises its message at the next sync point (Runtime::Sync), as
+  // an eager program's checks (compiled_op.cpp, OutputSlot::kIndexCheck).
+  auto& rt = Runtime::Get();
+  CheckList states;
+  states.reserve(flags.size());
+  for (size_t i = 0; i < flags.size(); ++i)
+    states.push_back(rt.AddPendingCheck(std::shared_ptr<pjrt::Buffer>(std::move(flags[i])), check_messages_[i]));
+  return states;
 }
 
 }  // namespace torch_tpu::runtime

@@ -12,6 +12,16 @@
 // tensor<2xui64> (seed, offset) input each, drawn from the tpu generator at
 // run time.
 //
+// Value and index checks: every call's checks (the ones the eager executors
+// compute: the entry's index_checks traits, the lowering's ctx.check /
+// ctx.check_index; compiled_op.h, IndexRangeChecks / LoweringChecks) are
+// program outputs too, one pred per distinct message (checks with the same
+// message OR-combined, in the order of their first call), after the
+// results. Launch registers them (RegisterChecks) so the next sync point
+// raises CPU's error naming the ATen op; a fused region holding the graph
+// takes them as its own checks (EmitInto). A graph without checks has no
+// extra output.
+//
 // In fused eager mode a launch is not a sync point: Run records the graph as
 // ONE call of the fused region (RecordGraphCall, fused_executor.cpp) and the
 // region re-emits the graph's calls into its own module (EmitInto: the same
@@ -62,6 +72,9 @@ struct GraphArg {
 
 class GraphProgram : public std::enable_shared_from_this<GraphProgram> {
  public:
+  // A check computed by the program: a 0-d pred (true = failed) and its
+  // message (compiled_op.h, ProgramCheck).
+  using Check = std::pair<hlo::Value, std::string>;
   explicit GraphProgram(std::string name = "graph");
   ~GraphProgram();
   GraphProgram(const GraphProgram&) = delete;
@@ -135,8 +148,10 @@ class GraphProgram : public std::enable_shared_from_this<GraphProgram> {
   // rng_increments() order). Returns one value per program output, of
   // output_specs()' dtypes and sizes. Throws GraphUnsupported where a
   // lowering declines (it accepted the same call in AddCall).
+  // `checks` (when given) receives the graph's checks in `b`: one pred
+  // per check_messages() entry, in order.
   std::vector<hlo::Value> EmitInto(hlo::Builder& b, std::span<const hlo::Value> inputs,
-                                   std::span<const hlo::Value> rng) const;
+                                   std::span<const hlo::Value> rng, std::vector<hlo::Value>* checks = nullptr) const;
 
   // What a Run result is: a program output (kComputed) or an input as it is.
   struct ResultSlot {
@@ -144,8 +159,14 @@ class GraphProgram : public std::enable_shared_from_this<GraphProgram> {
     int index = 0;  // program output index, or input index
   };
   const std::vector<ResultSlot>& results() const { return results_; }
-  // Per program output: dtype and sizes.
+  // Per program output: dtype and sizes (the checks' preds, which follow
+  // them in the executable's outputs, excluded).
   const std::vector<lowering::OutputSpec>& output_specs() const { return output_specs_; }
+  // The message each check pred raises (Runtime::AddPendingCheck's
+  // format: Runtime::ValueCheckMessage-marked ones as RuntimeError, others
+  // as IndexError). Known after SetOutputs.
+  const std::vector<std::string>& check_messages() const { return check_messages_; }
+  int num_checks() const { return static_cast<int>(check_messages_.size()); }
   // (input, program output) pairs DonateInput accepted.
   const std::vector<std::pair<int, int>>& donations() const { return donations_; }
   // Values each random op draws (the generator offset's advance), in order.
@@ -193,8 +214,20 @@ class GraphProgram : public std::enable_shared_from_this<GraphProgram> {
   // Lowers `call` into `b` over `values` (value ids index it), appending a
   // value per defined output; `rng_state`: the call's (seed, offset) value
   // when its entry needs_rng. Returns the output ids (-1 for undefined).
-  static std::vector<int> LowerCall(hlo::Builder& b, std::vector<ValueInfo>& values, const CallRecord& call,
-                                    std::optional<hlo::Value> rng_state);
+  // The call's checks are appended to `checks` (messages naming the op).
+  std::vector<int> LowerCall(hlo::Builder& b, std::vector<ValueInfo>& values, const CallRecord& call,
+                             std::optional<hlo::Value> rng_state, std::vector<Check>& checks) const;
+  // `checks` OR-combined per message (first appearance order): the preds
+  // (in `b`) and, when `messages` is given, their messages.
+  static std::vector<hlo::Value> CombineChecks(hlo::Builder& b, const std::vector<Check>& checks,
+                                               std::vector<std::string>* messages);
+  // Hands a launch's check flags (check_messages() order) to the runtime,
+  // raised at the next sync point (Runtime::AddPendingCheck), and returns
+  // their states: Launch gives them to every buffer the launch writes (its
+  // outputs, donated inputs included: PoisonWith), so a failed check
+  // raises again at each later read of those values. The one place graph
+  // launches register checks.
+  CheckList RegisterChecks(std::vector<std::unique_ptr<pjrt::Buffer>> flags) const;
   static const ValueInfo& ValueAt(const std::vector<ValueInfo>& values, int id, const std::string& op);
 
   std::string name_;
@@ -213,6 +246,8 @@ class GraphProgram : public std::enable_shared_from_this<GraphProgram> {
   // graph input -1 - step (EmitInto replays them to number values alike).
   std::vector<int> steps_;
   std::vector<std::pair<int, int>> donations_;      // (input, program output) aliased
+  std::vector<Check> checks_;                // the calls' checks in builder_, in call order
+  std::vector<std::string> check_messages_;         // per check output (SetOutputs)
   bool outputs_set_ = false;
   int num_calls_ = 0;
   std::string module_text_;
