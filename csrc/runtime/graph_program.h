@@ -45,6 +45,7 @@
 #include "hlo/builder.h"
 #include "lowering/lowering.h"
 #include "pjrt/pjrt.h"
+#include "runtime/runtime.h"
 
 namespace torch_tpu::runtime {
 

@@ -104,6 +104,33 @@ def test_integer_division_by_zero_raises_at_the_sync(op, dtype, mode, programs):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_failed_graph_check_poisons_its_results(mode):
+    """The graph's results hold garbage where its check failed (XLA's
+    x // 0): every later read raises the same error, also of a value computed
+    from them before the sync, and of an in-place-updated input (the graph
+    donates it) - never the garbage (test_value_check_poison.py for eager)."""
+    a = torch.tensor([4, 5])
+    b = torch.tensor([0, 1])
+    assert _cpu_error(lambda: a // b) is RuntimeError
+
+    def step(x, y, acc):
+        acc.add_(x // y)  # an input mutation: written in place
+        return (x // y) + 1
+
+    f = torch.compile(step, backend="tpu")
+    with torch_tpu.eager_mode(mode):
+        at, bt = a.to(TPU), b.to(TPU)
+        acc = torch.zeros(2, dtype=torch.int64, device=TPU)
+        out = f(at, bt, acc)
+        derived = out * 3  # launched before the sync: computed from the garbage
+        for t in (out, out, derived, acc):
+            with pytest.raises(RuntimeError, match="floor_divide.*ZeroDivisionError"):
+                t.cpu()
+        out.copy_(torch.tensor([7, 8]))  # a whole overwrite from the host clears it
+        assert out.cpu().tolist() == [7, 8]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_scalar_divisor_zero(mode):
     fn = lambda a: (a // 0) + 1  # noqa: E731
     a = torch.tensor([3, 4])
