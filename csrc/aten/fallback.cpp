@@ -103,7 +103,7 @@ std::unique_ptr<OpFacts> MakeFacts(const c10::OperatorHandle& op) {
     for (auto [name, slot] : {std::pair{"self", &f->self}, {"other", &f->other}, {"alpha", &f->alpha},
                               {"index", &f->index}, {"p", &f->p}, {"mask", &f->mask}, {"value", &f->value},
                               {"indices", &f->indices}, {"values", &f->values}, {"accumulate", &f->accumulate},
-                              {"fill_value", &f->fill_value}, {"dtype", &f->dtype}})
+                              {"fill_value", &f->fill_value}, {"s", &f->fill_value}, {"dtype", &f->dtype}})
       if (n == name && *slot < 0) *slot = pos;
     f->written |= IsWrittenArg(args[i]);
     f->out |= args[i].is_out();
@@ -115,7 +115,11 @@ std::unique_ptr<OpFacts> MakeFacts(const c10::OperatorHandle& op) {
   f->index_fill = base == "index_fill";
   f->checked_scalar_value =
       f->value >= 0 && (base == "fill" || base == "masked_fill" || base == "index_fill" || base == "scatter");
-  f->checked_fill_value = f->fill_value >= 0 && (base == "full" || base == "full_like" || base == "new_full");
+  // scalar_tensor: how Python indexing makes a scalar value on the device
+  // (x[m] = 300 -> at::indexing::scalarToTensor, which CPU fills with a
+  // checked conversion).
+  f->checked_fill_value = f->fill_value >= 0 && (base == "full" || base == "full_like" || base == "new_full" ||
+                                                 base == "scalar_tensor");
   f->index_put = base == "index_put" || base == "_index_put_impl";
   f->mask_indexing = f->index_put || base == "index";
   if (f->index >= 0 && f->entry && !f->entry->traits.index_checks.empty()) {
@@ -716,8 +720,10 @@ bool WritesSharedStorage(const c10::OperatorHandle& op, const torch::jit::Stack&
 //   refuse (CheckIndexLikeCpu);
 // - a non-bool mask for masked_fill (CPU's "masked_fill_ only supports
 //   boolean masks");
-// - a Scalar `value` that does not fit self's dtype for fill_, masked_fill
-//   and index_fill (CPU's kernels convert it with Scalar::to, which raises
+// - a Scalar `value` that does not fit self's dtype for fill_, masked_fill,
+//   index_fill, scatter, full/full_like/new_full and scalar_tensor (so also
+//   x[m] = 300 and x[0] = 300 into int8; CPU's kernels convert it with
+//   Scalar::to, which raises
 //   "value cannot be converted to type int8_t without overflow"; the
 //   lowerings would wrap or saturate it);
 // - a float `p` outside [0, 1] for bernoulli (CPU's bernoulli_ check; a

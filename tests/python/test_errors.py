@@ -242,6 +242,15 @@ DEVICE_CASES = {
                            "value cannot be converted to type int8_t without overflow"),
     "full_like_uint8_overflow": (lambda x: torch.full_like(x, 300), [torch.zeros(2, dtype=torch.uint8)],
                                  "value cannot be converted to type uint8_t without overflow"),
+    # Python indexing makes the scalar on the device with scalar_tensor.
+    "setitem_mask_int8_overflow": (lambda x: x.__setitem__(x == 0, 300), [torch.zeros(3, dtype=torch.int8)],
+                                   "value cannot be converted to type int8_t without overflow"),
+    "setitem_index_int8_overflow": (lambda x: x.__setitem__(0, -129), [torch.zeros(3, dtype=torch.int8)],
+                                    "value cannot be converted to type int8_t without overflow"),
+    "setitem_mask_int32_overflow": (lambda x: x.__setitem__(x == 0, 1e10), [torch.zeros(3, dtype=torch.int32)],
+                                    "value cannot be converted to type int without overflow"),
+    "scalar_tensor_int8_overflow": (lambda x: torch.scalar_tensor(300, dtype=torch.int8, device=x.device),
+                                    [torch.zeros(1)], "value cannot be converted to type int8_t without overflow"),
 }
 CASES.update(DEVICE_CASES)
 
