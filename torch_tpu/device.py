@@ -22,7 +22,7 @@ from . import _C
 
 __all__ = [
     "is_available", "device_count", "current_device", "set_device", "synchronize",
-    "get_device_name", "manual_seed", "manual_seed_all", "seed", "initial_seed",
+    "get_device_name", "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed",
     "get_rng_state", "set_rng_state", "memory_allocated", "max_memory_allocated",
     "reset_peak_memory_stats", "memory_stats", "empty_cache", "is_initialized", "device",
     "get_amp_supported_dtype", "is_bf16_supported", "get_device_properties",
@@ -174,6 +174,20 @@ def manual_seed_all(seed: int) -> None:
 
 def seed() -> int:
     return _default_generator(current_device()).seed()
+
+
+def seed_all() -> None:
+    """Seeds every tpu device's generator with one random seed, as
+    torch.cuda.seed_all: the first device's generator draws it
+    (Generator.seed), the others take it (manual_seed)."""
+    chosen = None
+    for i in range(device_count()):
+        gen = _default_generator(i)
+        if chosen is None:
+            gen.seed()
+            chosen = gen.initial_seed()
+        else:
+            gen.manual_seed(chosen)
 
 
 def initial_seed() -> int:

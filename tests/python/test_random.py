@@ -56,6 +56,20 @@ def test_tpu_manual_seed_reproduces():
     assert not torch.equal(a1, b1)
 
 
+def test_seed_all_like_cuda():
+    """torch.tpu.seed_all, as torch.cuda.seed_all: one fresh random seed on
+    every device; seeding with initial_seed() replays the draws."""
+    torch.tpu.manual_seed_all(7)
+    torch.tpu.seed_all()
+    seed = torch.tpu.initial_seed()
+    assert seed != 7
+    a = torch.rand(16, device=TPU).cpu()
+    torch.tpu.manual_seed(seed)
+    assert torch.equal(torch.rand(16, device=TPU).cpu(), a)
+    torch.tpu.seed_all()
+    assert torch.tpu.initial_seed() != seed  # a 64-bit random seed: equal with probability 2**-64
+
+
 def test_torch_manual_seed_reproduces():
     torch.manual_seed(0)
     a = torch.rand(16, device=TPU).cpu()
