@@ -16,6 +16,7 @@
 #include <pthread.h>
 #include <thread>
 #include <cstdint>
+#include <limits>
 #include <cstdlib>
 #include <stdexcept>
 #include <iostream>
@@ -1560,33 +1561,31 @@ bool HostFirstEnabled() {
   return enabled;
 }
 
+namespace {
+// The integer environment variable `name` (unset or empty: `fallback`);
+// throws std::invalid_argument "<name> must be <expected>, got '<value>'"
+// for anything but a decimal integer in [lo, hi].
+int64_t EnvInteger(const char* name, int64_t fallback, int64_t lo, int64_t hi, const char* expected) {
+  const char* e = std::getenv(name);
+  if (!e || !*e) return fallback;
+  char* end = nullptr;
+  errno = 0;
+  long long n = std::strtoll(e, &end, 10);
+  if (errno != 0 || *end != '\0' || n < lo || n > hi)
+    throw std::invalid_argument(std::string(name) + " must be " + expected + ", got '" + e + "'");
+  return static_cast<int64_t>(n);
+}
+}  // namespace
+
 int64_t HostFirstMaxBytes() {
-  static const int64_t limit = [] {
-    const char* e = std::getenv("TORCH_TPU_HOST_FIRST_MAX_BYTES");
-    if (!e || !*e) return int64_t{4} << 20;
-    char* end = nullptr;
-    errno = 0;
-    long long n = std::strtoll(e, &end, 10);
-    if (errno != 0 || *end != '\0' || n < 0)
-      throw std::invalid_argument(std::string("TORCH_TPU_HOST_FIRST_MAX_BYTES must be a non-negative integer, got '") +
-                                  e + "'");
-    return static_cast<int64_t>(n);
-  }();
+  static const int64_t limit = EnvInteger("TORCH_TPU_HOST_FIRST_MAX_BYTES", int64_t{4} << 20, 0,
+                                          std::numeric_limits<int64_t>::max(), "a non-negative integer");
   return limit;
 }
 
 int64_t HostFirstCompileAfter() {
-  static const int64_t after = [] {
-    const char* e = std::getenv("TORCH_TPU_HOST_FIRST_COMPILE_AFTER");
-    if (!e || !*e) return int64_t{1};
-    char* end = nullptr;
-    errno = 0;
-    long long n = std::strtoll(e, &end, 10);
-    if (errno != 0 || *end != '\0' || n < 1 || n > 1000000)
-      throw std::invalid_argument(
-          std::string("TORCH_TPU_HOST_FIRST_COMPILE_AFTER must be an integer in [1, 1000000], got '") + e + "'");
-    return static_cast<int64_t>(n);
-  }();
+  static const int64_t after =
+      EnvInteger("TORCH_TPU_HOST_FIRST_COMPILE_AFTER", 1, 1, 1000000, "an integer in [1, 1000000]");
   return after;
 }
 
