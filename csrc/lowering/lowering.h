@@ -119,6 +119,8 @@ class LoweringContext {
   // a whole-tensor draw and a DTensor draw leave the generator at the same
   // offset. At least 4 (an empty output still moves the stream on).
   static int64_t RngIncrement(const std::vector<OutputSpec>& outputs);
+  // The same for a first output of `numel` elements.
+  static int64_t RngIncrementOf(int64_t numel);
 
   // Writes `value` into the tensor argument `name` (which must be a tensor):
   // for ops that mutate arguments they do not return (batch norm's running
@@ -185,6 +187,14 @@ struct LoweringTraits {
   // cache's growing operand); the lowering places every later item at a
   // runtime offset (LoweringContext::poly_extent).
   bool poly_concat = false;
+  // A random op whose output element i depends only on (seed, offset + i),
+  // its static arguments and element i of its same-shape tensor operands
+  // (uniform_, normal_/normal, random_, exponential_, bernoulli_/bernoulli
+  // with a float p, native_dropout): eager calls of any shape share one
+  // program per bucket Capacity(numel) of its tensors' element count
+  // (compiled_op.cpp PlanPolyFlat), whose first numel values are the exact
+  // program's, bit for bit. Needs needs_rng and no value checks.
+  bool poly_flat = false;
   // Only for whole-graph lowering (torch.compile): view ops (view, permute,
   // slice, ...) computed as values — eager tpu views are metadata over a
   // shared storage and never reach a lowering — and ops whose eager form

@@ -840,7 +840,9 @@ TORCH_TPU_LOWERINGS({
     {"_native_batch_norm_legit", LowerBatchNorm},
     {"_native_batch_norm_legit_no_training", LowerBatchNorm},
     {"native_batch_norm_backward", LowerBatchNormBackward},
-    {"native_dropout", LowerNativeDropout, {.needs_rng = true}},
+    // poly_flat: output and mask element i depend only on (seed, offset + i)
+    // and input element i (compiled_op.cpp PlanPolyFlat).
+    {"native_dropout", LowerNativeDropout, {.needs_rng = true, .poly_flat = true}},
     {"native_dropout_backward", LowerNativeDropoutBackward},
     {"nll_loss_forward", LowerNllLossForward},
     {"nll_loss_backward", LowerNllLossBackward},

@@ -359,11 +359,16 @@ std::vector<Value> LowerRandperm(LoweringContext& ctx) {
 TORCH_TPU_LOWERINGS({
     {"multinomial", LowerMultinomial, {.needs_rng = true}},
     {"randperm", LowerRandperm, {.needs_rng = true}},
-    {"uniform", LowerUniform, {.needs_rng = true}},
-    {"normal", LowerNormal, {.needs_rng = true}},
-    {"bernoulli", LowerBernoulli, {.needs_rng = true}},
-    {"random", LowerRandom, {.needs_rng = true}},
-    {"exponential", LowerExponential, {.needs_rng = true}},
+    // poly_flat: element i of the output depends only on (seed, offset + i),
+    // static arguments and element i of same-shape tensor operands
+    // (normal's mean/std); at a flat shape [B] the first n values are the
+    // [n] program's (compiled_op.cpp PlanPolyFlat). A tensor p of
+    // bernoulli is value-checked, so such calls stay exact.
+    {"uniform", LowerUniform, {.needs_rng = true, .poly_flat = true}},
+    {"normal", LowerNormal, {.needs_rng = true, .poly_flat = true}},
+    {"bernoulli", LowerBernoulli, {.needs_rng = true, .poly_flat = true}},
+    {"random", LowerRandom, {.needs_rng = true, .poly_flat = true}},
+    {"exponential", LowerExponential, {.needs_rng = true, .poly_flat = true}},
 });
 
 }  // namespace torch_tpu::lowering

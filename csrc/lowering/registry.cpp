@@ -267,8 +267,10 @@ int64_t LoweringContext::RngIncrement(const std::vector<OutputSpec>& outputs) {
     for (int64_t d : o.sizes) n *= d;
     break;
   }
-  return std::max<int64_t>((n + 3) / 4 * 4, 4);
+  return RngIncrementOf(n);
 }
+
+int64_t LoweringContext::RngIncrementOf(int64_t numel) { return std::max<int64_t>((numel + 3) / 4 * 4, 4); }
 
 void LoweringContext::write(std::string_view name, hlo::Value value) {
   const auto& a = arg(name);

@@ -211,14 +211,20 @@ bool PolyMarked(std::span<const int8_t> dynamic, size_t num_args, size_t arg, in
 // `dynamic`: keyed with size(dim) = extent, without strides (a dynamic
 // tensor is contiguous) and with whether t covers its storage's bytes
 // (instead of their count); extent < 0 leaves out the buffer size.
+// dim < 0 (PlanPolyFlat): keyed by `extent` alone, no rank or sizes.
 void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& ids, bool dynamic = false,
                   int64_t extent = 0, int64_t dim = 0) {
   if (!ids.seen.empty() && ids.seen.front()->device_index() != StorageOf(t).device_index())
     throw std::runtime_error("Expected all tensors to be on the same device, but found at least two devices, tpu:" +
                              std::to_string(ids.seen.front()->device_index()) + " and " + t.device().str() + "!");
   atoms.push_back(static_cast<int64_t>(t.scalar_type()));
-  atoms.push_back(t.dim());
-  for (int64_t d = 0; d < t.dim(); ++d) atoms.push_back(dynamic && d == dim ? extent : t.size(d));
+  if (dynamic && dim < 0) {  // flat
+    atoms.push_back(-4);
+    atoms.push_back(extent);
+  } else {
+    atoms.push_back(t.dim());
+    for (int64_t d = 0; d < t.dim(); ++d) atoms.push_back(dynamic && d == dim ? extent : t.size(d));
+  }
   if (!dynamic) {
     for (int64_t s : t.strides()) atoms.push_back(s);
   } else if (t.is_contiguous()) {
@@ -479,7 +485,8 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
       }
       auto at_extent = [&](const at::Tensor& t) {
         std::vector<int64_t> sizes = t.sizes().vec();
-        sizes[static_cast<size_t>(dim)] = extent;
+        if (dim < 0) sizes = {extent};  // flat (PlanPolyFlat)
+        else sizes[static_cast<size_t>(dim)] = extent;
         return at::empty(sizes, t.options().device(c10::kMeta));
       };
       if (PolyMarked(dynamic, args.size(), i, -1)) {  // a bucketed dim (shape polymorphism)
@@ -547,7 +554,9 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
     int16_t a = spec.return_alias[r];
     if (a < 0) continue;
     const at::Tensor& target = stack[first + static_cast<size_t>(a)].toTensor();
-    if (target.sizes() != spec.outputs[r].sizes) {
+    // A flat program's in-place target is [extent] there (PlanPolyFlat).
+    const bool flat_target = dim < 0 && PolyMarked(dynamic, args.size(), static_cast<size_t>(a), -1);
+    if (target.sizes() != spec.outputs[r].sizes && !flat_target) {
       if (std::find(out_args.begin(), out_args.end(), a) == out_args.end())
         throw UnsupportedOp("in-place result has sizes " + c10::str(spec.outputs[r].sizes) +
                             " but the tensor has " + c10::str(target.sizes()));
@@ -693,6 +702,7 @@ hlo::Value ProgramBuilder::PolyWrite(hlo::Value value, int64_t dim, int64_t scal
 }
 
 hlo::Value ProgramBuilder::PolyRows(const at::Tensor& t, hlo::Value flat) {
+  if (poly->dim < 0) return PolyRead(flat, std::vector<int64_t>{poly->bucket}, 0);  // flat (PlanPolyFlat)
   std::vector<int64_t> dims = t.sizes().vec();
   dims[static_cast<size_t>(poly->dim)] = poly->bucket;
   hlo::Value x;
@@ -735,6 +745,11 @@ void ProgramBuilder::WriteTensor(const at::Tensor& t, const InputSlot& use, hlo:
     // A dynamic tensor covering its storage (PlanPoly): the storage's new
     // buffer is the [bucket, rest...] rows, flat.
     if (!PolyDynamic(use)) throw UnsupportedOp("shape polymorphism: writes a tensor without the dynamic dim");
+    if (poly->dim < 0) {  // flat (PlanPolyFlat): [bucket]
+      const int64_t flat[] = {poly->bucket};
+      st.current = PolyWrite(lowering::Prepare(b, value, t.scalar_type(), flat), 0);
+      return;
+    }
     std::vector<int64_t> dims = t.sizes().vec();
     dims[static_cast<size_t>(poly->dim)] = poly->bucket;
     st.current = PolyWrite(lowering::Prepare(b, value, t.scalar_type(), dims), poly->dim);
@@ -917,6 +932,8 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
     ctx.rng_state_value = b.Parameter(hlo::TensorType{hlo::ElementType::kU64, {2}});
     InputSlot s = slot(InputSlot::Kind::kRng, gen_arg, -1, hlo::ElementType::kU64);
     s.rng_increment = lowering::LoweringContext::RngIncrement(spec.outputs);
+    // A flat program's outputs are at the bucket: the launch's numel counts.
+    if (poly && poly->dim < 0) s.rng_numel_of = poly->leader;
     inputs.push_back(s);
   }
   ctx.outputs = spec.outputs;
@@ -1150,6 +1167,65 @@ bool PlanPolyConcat(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   return true;
 }
 
+// Whether a random draw (LoweringTraits::poly_flat) can share a program
+// with calls of any shape: no out= or tensor list; every tpu tensor has
+// the leader's sizes (n >= 1 elements) and is contiguous, at offset 0,
+// typed as its storage; at most one is written (in place: it is the
+// leader, covers its storage's bytes, and every return is it), else the
+// leader is the first and the returns are new tensors of its sizes
+// (checked in PolySpec). CPU scalars and static arguments are part of the
+// key. The program reads and writes every tensor flat at B = Capacity(n)
+// elements: element i depends only on (seed, offset + i) and the inputs'
+// element i, so the first n are the exact program's bit for bit, and the
+// generator advances by the launch's n (InputSlot::rng_numel_of). Written
+// storages and new outputs get B-element buffers (Capacity(n), as from any
+// producer). dim = -1 marks the plan flat.
+bool PlanPolyFlat(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                  const lowering::LoweringEntry& entry, PolyPlan& plan) {
+  if (!entry.traits.poly_flat) return false;
+  const auto& schema = op.schema();
+  const auto& args = schema.arguments();
+  int16_t leader = -1, written = -1;
+  plan.dynamic.assign(args.size(), 0);
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = stack[first + i];
+    if (IsOutArg(args[i]) || IsTensorListValue(v)) return false;
+    const bool writes = args[i].alias_info() && args[i].alias_info()->isWrite();
+    if (!v.isTensor() || !v.toTensor().defined() || !OnTpu(v.toTensor())) {
+      if (writes) return false;
+      continue;
+    }
+    const at::Tensor& t = v.toTensor();
+    if (t.numel() < 1 || !t.is_contiguous() || t.storage_offset() != 0 || t.is_conj() || t.is_neg() ||
+        StorageElement(t) != lowering::ToElementType(t.scalar_type()))
+      return false;
+    if (leader >= 0 && t.sizes() != stack[first + static_cast<size_t>(leader)].toTensor().sizes()) return false;
+    if (writes) {
+      if (written >= 0 ||
+          static_cast<int64_t>(StorageOf(t).nbytes()) != t.numel() * static_cast<int64_t>(t.element_size()))
+        return false;
+      written = static_cast<int16_t>(i);
+    }
+    if (leader < 0) leader = static_cast<int16_t>(i);
+    plan.dynamic[i] = 1;
+  }
+  if (leader < 0) return false;
+  if (written >= 0) {
+    for (const auto& ret : schema.returns()) {
+      const auto* ai = ret.alias_info();
+      if (!ai || !ai->isWrite() || ai->beforeSets() != args[static_cast<size_t>(written)].alias_info()->beforeSets())
+        return false;
+    }
+    leader = written;
+  }
+  const int64_t n = stack[first + static_cast<size_t>(leader)].toTensor().numel();
+  plan.leader = leader;
+  plan.dim = -1;
+  plan.extent = n;
+  plan.bucket = Capacity(n);
+  return true;
+}
+
 // The call's spec at the bucket, after checking that every output either
 // keeps its sizes when the extent changes or has the extent in exactly one
 // dim (and its other dims kept); `dynamic_out` gives that dim (-1: none).
@@ -1163,6 +1239,27 @@ CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
   CallSpec real = ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);  // raises as the static path
   if (!real.resize_outputs.empty()) throw UnsupportedOp("shape polymorphism: resizes an output");
   CallSpec at_b = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket, plan.dim);
+  if (plan.dim < 0) {
+    // Flat (PlanPolyFlat): every return is the written leader or a new
+    // row-major tensor of the leader's sizes; all are [bucket] here.
+    const std::vector<int64_t> flat{plan.bucket};
+    const auto leader_sizes = stack[first + static_cast<size_t>(plan.leader)].toTensor().sizes();
+    if (at_b.outputs.size() != real.outputs.size() || at_b.return_alias != real.return_alias ||
+        at_b.defined != real.defined || !at_b.resize_outputs.empty())
+      throw UnsupportedOp("shape polymorphism: outputs change with the extent");
+    dynamic_out.assign(real.outputs.size(), -1);
+    for (size_t r = 0; r < real.outputs.size(); ++r) {
+      if (!real.defined[r]) continue;
+      const int16_t a = real.return_alias[r];
+      const bool ok = (a < 0 ? real.outputs[r].sizes == leader_sizes && real.strides[r].empty() : a == plan.leader) &&
+                      at_b.outputs[r].sizes == flat && at_b.outputs[r].dtype == real.outputs[r].dtype;
+      if (!ok) throw UnsupportedOp("shape polymorphism: a flat program's outputs are its leader's elements");
+      if (a < 0) dynamic_out[r] = 0;
+    }
+    affine.assign(real.outputs.size(), {1, 0});
+    at_b.strides.assign(real.outputs.size(), {});
+    return at_b;
+  }
   CallSpec at_b1 = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket + 1, plan.dim);
   const size_t n = real.outputs.size();
   if (at_b.outputs.size() != n || at_b1.outputs.size() != n || at_b.defined != real.defined ||
@@ -1233,8 +1330,13 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
 
   ProgramBuilder pb;
   if (plan) {
-    pb.poly = ProgramBuilder::Poly{plan->dynamic,         plan->bucket, plan->leader, plan->leader_item,
-                                   plan->num_items,       plan->dim,    entry.traits.shape_poly,
+    pb.poly = ProgramBuilder::Poly{plan->dynamic,
+                                   plan->bucket,
+                                   plan->leader,
+                                   plan->leader_item,
+                                   plan->num_items,
+                                   plan->dim,
+                                   plan->dim < 0 ? lowering::PadFill::kAny : entry.traits.shape_poly,
                                    std::nullopt};
     compiled->poly_leader = plan->leader;
     compiled->poly_leader_item = plan->leader_item;
@@ -1651,15 +1753,18 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   std::vector<int*> families;
   if (families_.size() > (size_t{1} << 16)) families_.clear();  // a bound; only the heuristic forgets
   int16_t poly_leader = -1;
-  const bool poly_on = shape_poly && ShapePolyEnabled() && entry.traits.shape_poly != lowering::PadFill::kNone;
-  // cat: one candidate, its cat dim (PlanPolyConcat); else every dim.
-  const int64_t poly_rank = !poly_on                     ? 0
-                            : entry.traits.poly_concat ? 1
-                                                       : PolyRank(op, stack, first, poly_leader);
+  const bool poly_on = shape_poly && ShapePolyEnabled() &&
+                       (entry.traits.shape_poly != lowering::PadFill::kNone || entry.traits.poly_flat);
+  // cat: one candidate, its cat dim (PlanPolyConcat); random fills: one,
+  // the numel (PlanPolyFlat, dim -1); else every dim.
+  const int64_t poly_rank = !poly_on                                             ? 0
+                            : entry.traits.poly_concat || entry.traits.poly_flat ? 1
+                                                                                 : PolyRank(op, stack, first, poly_leader);
   for (int64_t candidate = 0; candidate < poly_rank; ++candidate) {
     PolyPlan plan;
-    if (entry.traits.poly_concat ? !PlanPolyConcat(op, stack, first, entry, plan)
-                                 : !PlanPoly(op, stack, first, entry, candidate, plan))
+    if (entry.traits.poly_flat    ? !PlanPolyFlat(op, stack, first, entry, plan)
+        : entry.traits.poly_concat ? !PlanPolyConcat(op, stack, first, entry, plan)
+                                   : !PlanPoly(op, stack, first, entry, candidate, plan))
       continue;
     const int64_t dim = plan.dim;
     thread_local OpKey poly_key;
@@ -1787,7 +1892,8 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
   for (size_t i = 0; i < inputs.size(); ++i) {
     const InputSlot& s = inputs[i];
     if (s.kind == InputSlot::Kind::kExtent) {
-      const int64_t n = TensorOf(arg_of, s.call, s.arg, s.item).size(s.extent_dim);
+      const at::Tensor& leader = TensorOf(arg_of, s.call, s.arg, s.item);
+      const int64_t n = s.extent_dim < 0 ? leader.numel() : leader.size(s.extent_dim);  // < 0: flat
       li.temps.push_back(rt.ScalarBuffer(&n, hlo::ElementType::kS64, li.device_index));
       li.buffers[i] = li.temps.back().get();
     } else if (s.kind == InputSlot::Kind::kScalar) {
@@ -1809,7 +1915,11 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
         std::lock_guard<std::mutex> lock(gen.mutex());
         state[0] = gen.current_seed();
         state[1] = gen.get_offset();
-        gen.set_offset(state[1] + static_cast<uint64_t>(s.rng_increment));
+        const int64_t increment =
+            s.rng_numel_of < 0
+                ? s.rng_increment
+                : lowering::LoweringContext::RngIncrementOf(TensorOf(arg_of, s.call, s.rng_numel_of, -1).numel());
+        gen.set_offset(state[1] + static_cast<uint64_t>(increment));
       }
       int64_t dims[] = {2};
       li.temps.push_back(rt.Upload(state, hlo::ElementType::kU64, dims, li.device_index));
@@ -1866,10 +1976,10 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
     StorageBuffer sb{std::shared_ptr<pjrt::Buffer>(std::move(outs[i])), o.element, o.numel, op.name};
     PoisonWith(sb, li.checks, own);
     if (o.kind == OutputSlot::Kind::kNewTensor && o.dynamic) {
+      const at::Tensor& leader = TensorOf(arg_of, 0, op.poly_leader, op.poly_leader_item);
       std::vector<int64_t> sizes = o.sizes;
-      sizes[static_cast<size_t>(o.dynamic_dim)] =
-          o.dynamic_scale * TensorOf(arg_of, 0, op.poly_leader, op.poly_leader_item).size(op.poly_dim) +
-          o.dynamic_offset;
+      if (op.poly_dim < 0) sizes = leader.sizes().vec();  // flat (PlanPolyFlat): the leader's sizes
+      else sizes[static_cast<size_t>(o.dynamic_dim)] = o.dynamic_scale * leader.size(op.poly_dim) + o.dynamic_offset;
       new_tensors.push_back(WrapBuffer(std::move(sb), sizes, o.dtype, li.device_index));
     } else if (o.kind == OutputSlot::Kind::kNewTensor) {
       new_tensors.push_back(WrapBuffer(std::move(sb), o.sizes, o.dtype, li.device_index, o.strides));

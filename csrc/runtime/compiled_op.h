@@ -56,6 +56,9 @@ struct InputSlot {
   int16_t item = -1;  // element of a tensor list, or -1
   hlo::ElementType element = hlo::ElementType::kF32;
   int64_t rng_increment = 0;  // kRng: values drawn, the generator offset's advance
+  // kRng of a flat random program (PlanPolyFlat): the advance is
+  // RngIncrementOf(numel of argument `rng_numel_of`) at launch instead.
+  int16_t rng_numel_of = -1;
   int8_t extent_dim = 0;      // kExtent: the dynamic dim of argument `arg`
 };
 
@@ -130,7 +133,7 @@ struct CompiledOp {
   // is the call's at the bucket then, not any one call's.
   int16_t poly_leader = -1;
   int16_t poly_leader_item = -1;  // the leader's item where it is a tensor list (cat), else -1
-  int8_t poly_dim = 0;
+  int8_t poly_dim = 0;            // -1: over the leader's numel (PlanPolyFlat)
   int64_t poly_bucket = 0;
   // Set while (and after) the executable compiles in the background; every
   // user but the call that started it waits on it (OpCache::Lookup).
@@ -139,7 +142,8 @@ struct CompiledOp {
 
 // Runs the op on meta tensors; throws UnsupportedOp if it cannot.
 // `dynamic` (per argument, may be empty): the tensor arguments marked 1 are
-// seen with size(dim) = `extent` (contiguous).
+// seen with size(dim) = `extent` (contiguous); dim < 0: as [extent] (a
+// flat program, whose in-place targets keep their own sizes).
 CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                      bool out_resized_by_numel = false, std::span<const int8_t> dynamic = {},
                      int64_t extent = 0, int64_t dim = 0);
@@ -195,7 +199,8 @@ class ProgramBuilder {
   // padding of no defined content, replaced by `fill` where that is not
   // kAny); their storages and dynamic outputs are written as buffers of
   // numel-at-the-bucket elements whose prefix is the extent's contiguous
-  // tensor (PolyRead / PolyWrite).
+  // tensor (PolyRead / PolyWrite). dim = -1: a flat program (PlanPolyFlat):
+  // the one dynamic tensor is read and written as [bucket], its numel's.
   struct Poly {
     std::vector<int8_t> dynamic;  // marks per argument, then per list item (PolyMarked in the .cpp)
     int64_t bucket = 0;
