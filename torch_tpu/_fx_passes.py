@@ -80,11 +80,14 @@ def _input_key(x: torch.fx.Node):
 def fuse_projections(gm: torch.fx.GraphModule) -> int:
     """Rewrites, in place, n >= 2 projections of one input (``addmm(b_i, x,
     t(W_i))`` or ``mm(x, t(W_i))``, x [M, K], W_i [N_i, K]: a layer's Q, K
-    and V linears) into one: ``addmm(cat(b_i), x, t(cat(W_i, 0)))`` [M,
+    and V linears) into one: ``addmm(cat(b_i), x, cat([t(W_i)], 1))`` [M,
     sum N_i], each old result its column slice (a contiguous clone, as the
     old result was). One GEMM of N = sum N_i instead of n: the input is read
     and packed once, and the backend sees one large dot (XLA fuses the
-    slices into their consumers). The weights are concatenated inside the
+    slices into their consumers) whose rhs is the concatenation, a [K, N]
+    array, not a transposed weight (cat of the transposes, not the
+    transpose of a cat: on XLA:CPU 6.95 vs 7.67 ms CPU time for MiniLM's
+    QKV, three separate dots 8.32). The weights are concatenated inside the
     program on every call (they are inputs and may change between calls).
     Each projection's values are those of its own dot up to the order in
     which the backend sums over K. Only projections whose weight and bias
