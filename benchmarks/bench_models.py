@@ -6,7 +6,9 @@
 (e) all-MiniLM-L6-v2 fine-tuning step (encoder + mean pool + linear head,
 cross-entropy, AdamW over every parameter), batch 8 x 128 tokens;
 for: CPU eager, torch.compile with inductor on CPU, tpu strict, tpu fused,
-torch.compile(backend="tpu") in strict and in fused eager mode. Training
+torch.compile(backend="tpu") in strict and in fused eager mode, and compiled
+with the graph rewrites off (TORCH_TPU_FUSE_PROJECTIONS=0, side by side with
+"tpu compile"). Training
 steps are written as users write them: the model compiled, the loss
 (cross_entropy) outside it, loss.backward(), AdamW() with its defaults
 (foreach on tpu) and zero_grad(). Prints milliseconds per call (median of
@@ -35,7 +37,11 @@ import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 import torch_tpu  # noqa: E402
 
-CONFIGS = ["cpu eager", "cpu inductor", "tpu strict", "tpu fused", "tpu compile", "tpu compile + fused mode"]
+CONFIGS = ["cpu eager", "cpu inductor", "tpu strict", "tpu fused", "tpu compile", "tpu compile + fused mode",
+           "tpu compile, projections unfused"]
+# Configurations run with extra environment settings (read when a graph is
+# compiled, at the first call): the graph rewrites off, for an A/B in one run.
+CONFIG_ENV = {"tpu compile, projections unfused": {"TORCH_TPU_FUSE_PROJECTIONS": "0"}}
 
 
 def _median_ms(fn, sync, warmup, iters):
@@ -125,9 +131,18 @@ def measure(name, factory, args, iters, warmup=None):
         mode = "fused" if config in ("tpu fused", "tpu compile + fused mode") else "strict"
         try:
             torch._dynamo.reset()
-            with torch_tpu.eager_mode(mode):
-                fn, device = factory(config)
-                ms, programs = _median_ms(fn, _sync_for(device), args.warmup if warmup is None else warmup, iters)
+            saved = {k: os.environ.get(k) for k in CONFIG_ENV.get(config, {})}
+            os.environ.update(CONFIG_ENV.get(config, {}))
+            try:
+                with torch_tpu.eager_mode(mode):
+                    fn, device = factory(config)
+                    ms, programs = _median_ms(fn, _sync_for(device), args.warmup if warmup is None else warmup, iters)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
         except Exception as e:  # a configuration that cannot run is reported, not fatal
             print(f"| {config} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} | | |")
             continue

@@ -8,7 +8,8 @@ one program through the lowering registry the eager executors use; it raises
 GraphLoweringError naming the node where the graph cannot be one program.
 ``_Recording`` keeps the calls that built a program (its recipe), so another
 process can rebuild it without the FX graph (``_Program.from_recipe``).
-Imports only the extension: nothing of Dynamo or of the compile cache.
+Imports only the extension and ``_fx_passes`` (the graph rewrites applied
+before lowering): nothing of Dynamo or of the compile cache.
 """
 from __future__ import annotations
 
@@ -248,9 +249,13 @@ class _Program:
         """`donations`: (placeholder index, graph output index) pairs, an
         output being the new value of a mutated input (AOTAutograd's input
         mutations): the program may write it into the input's buffer
-        (GraphProgram.donate_input); device outputs only."""
-        from . import _C
+        (GraphProgram.donate_input); device outputs only. The graph is
+        first rewritten in place by ``_fx_passes`` (one dot for the
+        projections of one input), unless TORCH_TPU_FUSE_PROJECTIONS=0."""
+        from . import _C, _fx_passes
 
+        if _fx_passes.enabled():
+            _fx_passes.fuse_projections(gm)
         self.name = name
         program = _Recording(_C.GraphProgram(name))
         env: dict[torch.fx.Node, Any] = {}

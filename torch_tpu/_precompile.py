@@ -100,8 +100,9 @@ install is removed from every code it was installed on (PyTorch's
 cache. A process never loads an entry it wrote itself (its frames are
 compiled already).
 
-Imports: ``_dynamo`` -> this module -> ``_graph``; this module never imports
-``_dynamo`` (the compilers are passed to ``aot_compile``).
+Imports: ``_dynamo`` -> this module -> ``_graph`` (and ``_fx_passes``, for
+the version key); this module never imports ``_dynamo`` (the compilers are
+passed to ``aot_compile``).
 """
 from __future__ import annotations
 
@@ -151,7 +152,9 @@ def _file_digest(path: str | None) -> str:
 
 def version_key() -> str:
     """What an entry must have been written by: torch, Python, torch_tpu
-    (version, its extension file, and the sources of the backend)."""
+    (version, its extension file, and the sources of the backend) and the
+    graph rewrites' setting (``_fx_passes.ENV``: a program built with the
+    projections fused is not the one built without)."""
     import torch_tpu
     from torch_tpu import _C
 
@@ -160,7 +163,10 @@ def version_key() -> str:
     for part in (torch.__version__, sys.version, getattr(torch_tpu, "__version__", ""),
                  _file_digest(getattr(_C, "__file__", None))):
         h.update(part.encode() + b"\0")
-    for name in ("_graph.py", "_dynamo.py", "_precompile.py"):
+    from torch_tpu import _fx_passes
+
+    h.update(f"{_fx_passes.ENV}={int(_fx_passes.enabled())}".encode() + b"\0")
+    for name in ("_graph.py", "_dynamo.py", "_precompile.py", "_fx_passes.py"):
         try:
             with open(os.path.join(here, name), "rb") as f:
                 h.update(hashlib.sha256(f.read()).digest())
