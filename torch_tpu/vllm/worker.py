@@ -516,6 +516,9 @@ class TPUWorker(Worker):
     """vLLM's GPU ``Worker`` with the device parts replaced (after CPUWorker)."""
 
     def init_device(self) -> None:
+        from torch_tpu.vllm.platform import refuse_if_forked_with_client
+
+        refuse_if_forked_with_client()  # before anything touches the device
         self.device = torch.device("cpu")  # the runner's bookkeeping device
         init_worker_distributed_environment(
             self.vllm_config, self.rank, self.distributed_init_method,
