@@ -6,6 +6,15 @@ chose this platform -- ``TORCH_TPU_VLLM=1`` in the environment, or
 ``VLLM_PLUGINS`` naming ``torch_tpu`` (the entry point's name) -- and the tpu device is usable; otherwise
 ``None``, so a plain CPU vLLM user keeps vLLM's own CPU platform.
 
+"Usable" is decided without creating the PJRT client: a plugin library was
+found when torch_tpu was imported (``torch_tpu._plugin_error is None``).  The
+API server calls this too, and a process that never created a client can
+start the engine core by ``fork`` (no PJRT/XLA threads to lose; the child
+keeps the ~40 s of vLLM imports already done, see platform.py).  When the
+client already exists in this process, ``torch.tpu.is_available()`` is asked
+as before.  A plugin that is found but cannot start then fails in the engine
+core with the loader's error naming it, rather than at registration.
+
 See docs/serving.md for what runs where.
 """
 
@@ -31,7 +40,12 @@ def register() -> str | None:
         import torch
         import torch_tpu  # noqa: F401  (registers the PrivateUse1 backend)
 
-        if not torch.tpu.is_available():
+        from torch_tpu import _C
+
+        if _C._is_initialized():
+            if not torch.tpu.is_available():
+                return None
+        elif torch_tpu._plugin_error is not None:
             return None
     except Exception:  # the device can't start: don't hijack vLLM
         return None

@@ -49,11 +49,24 @@ class TPUPlatform(Platform):
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
+        """Bytes of device memory.  vLLM's API server asks this while it
+        builds its config (engine/arg_utils.py get_batch_defaults); a
+        process without a PJRT client asks a forked child
+        (:func:`_total_memory_in_child`), so the API server stays without
+        one and can fork its engine core (:func:`_choose_start_method`)."""
+        from torch_tpu import _C
+
+        refuse_if_forked_with_client()
+        if not _C._is_initialized():
+            total = _total_memory_in_child(device_id)
+            if total is not None:
+                return total
         _free, total = torch.tpu.mem_get_info(device_id)
         return int(total)
 
     @classmethod
     def set_device(cls, device: torch.device) -> None:
+        refuse_if_forked_with_client()
         torch.tpu.set_device(device)
 
     @classmethod
@@ -150,8 +163,126 @@ class TPUPlatform(Platform):
             if comp.backend in ("", "inductor", "eager"):  # vLLM's defaults
                 comp.backend = "tpu"
 
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        _choose_start_method()
         os.environ["VLLM_DISABLE_SHARED_EXPERTS_STREAM"] = "1"
+
+
+def _choose_start_method() -> None:
+    """Pick how vLLM starts the engine core (and workers): ``fork`` while
+    this process has no PJRT client, else ``spawn``.
+
+    A PJRT client owns threads (the CPU plugin's pool) that a forked child
+    does not get, so a child forked after the client exists must not use the
+    device: then spawn, as vLLM forces for an initialized CUDA
+    (vllm/utils/system_utils.py ``_maybe_force_spawn``).  The API server
+    never creates the client (register() probes without it), so its engine
+    core is forked and inherits vLLM's imports instead of importing them
+    again.  vLLM's CLI entry sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn``
+    when it is unset (vllm/entrypoints/serve/utils/api_utils.py
+    ``cli_env_setup``, before the platform is chosen), so a user's own
+    setting is told apart by the environment the process was started with
+    (:func:`_start_method_at_exec`): it is kept, except ``fork`` with a live
+    client (overridden to spawn, with a warning).  The forked child checks
+    again (:func:`refuse_if_forked_with_client`, called by
+    ``TPUWorker.init_device`` and :meth:`TPUPlatform.set_device`).
+    """
+    from torch_tpu import _C
+
+    var = "VLLM_WORKER_MULTIPROC_METHOD"
+    if _C._is_initialized():
+        if os.environ.get(var) == "fork":
+            logger.warning("torch_tpu: this process has a PJRT client; forked children cannot use "
+                           "it: overriding VLLM_WORKER_MULTIPROC_METHOD=fork to spawn")
+        os.environ[var] = "spawn"
+        return
+    at_exec = _start_method_at_exec()
+    if at_exec is None:  # the user chose nothing: vLLM's CLI default is replaced
+        os.environ[var] = "fork"
+    elif at_exec == "":  # unknown: keep what is set
+        os.environ.setdefault(var, "fork")
+    logger.info("torch_tpu: vLLM starts its engine processes by %s", os.environ[var])
+
+
+def _start_method_at_exec() -> str | None:
+    """VLLM_WORKER_MULTIPROC_METHOD as this process was started with (Linux
+    ``/proc/self/environ``, which later ``os.environ`` changes do not
+    touch): its value, None when it was not set, "" when that cannot be
+    read."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return ""
+    for e in entries:
+        if e.startswith(b"VLLM_WORKER_MULTIPROC_METHOD="):
+            return e.split(b"=", 1)[1].decode(errors="replace")
+    return None
+
+
+def _total_memory_in_child(device_id: int, timeout_s: float = 120.0) -> int | None:
+    """``torch.tpu.mem_get_info(device_id)[1]`` (bytes) computed in a
+    forked child, which creates the PJRT client there and exits, so this
+    process still has none (and on a device one process owns at a time,
+    does not hold it).  None when the child fails or does not answer
+    within ``timeout_s`` (it is then killed): the caller asks in-process."""
+    import select
+    import signal
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no client was inherited (checked by the caller)
+        code = 1
+        try:
+            os.close(r)
+            _free, total = torch.tpu.mem_get_info(device_id)
+            os.write(w, str(int(total)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        ready, _, _ = select.select([r], [], [], timeout_s)
+        data = os.read(r, 64) if ready else b""
+    finally:
+        os.close(r)
+        if not data:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _, status = os.waitpid(pid, 0)
+    if not data or not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
+        logger.warning("torch_tpu: the forked probe of device memory failed; asking in-process")
+        return None
+    return int(data)
+
+
+# True in a process forked while its parent held a PJRT client (whose
+# threads the child lacks): the device is then unusable here.
+_forked_with_client = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_with_client
+    from torch_tpu import _C
+
+    _forked_with_client = _forked_with_client or _C._is_initialized()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def refuse_if_forked_with_client() -> None:
+    """Raise RuntimeError in a process forked after its parent had created
+    the PJRT client: the client's copy here has no threads, and using it
+    would hang or fail far from the cause.  Every engine process's worker
+    calls this first (``TPUWorker.init_device``; vLLM's single-process
+    executor never calls :meth:`TPUPlatform.set_device`)."""
+    if _forked_with_client:
+        raise RuntimeError(
+            "torch_tpu: this process was forked after its parent created the PJRT client, whose "
+            "threads a forked child does not have; start vLLM's processes with "
+            "VLLM_WORKER_MULTIPROC_METHOD=spawn")
 
 
 def _compute_slot_mapping(num_tokens: int, max_num_tokens: int,
