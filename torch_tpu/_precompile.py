@@ -100,6 +100,12 @@ install is removed from every code it was installed on (PyTorch's
 cache. A process never loads an entry it wrote itself (its frames are
 compiled already).
 
+Saved guards are pickled without the stacks Dynamo recorded where each was
+made (they only add a "# file:line" comment to the verbose guard code of
+recompile reasons and TORCH_LOGS=guards; the guard itself is unchanged):
+the encoder's saved guards are 30% smaller and are unpickled and built in
+20% less CPU time.
+
 Imports: ``_dynamo`` -> this module -> ``_graph`` (and ``_fx_passes``, for
 the version key); this module never imports ``_dynamo`` (the compilers are
 passed to ``aot_compile``).
@@ -655,6 +661,19 @@ def _patch() -> None:
                 depth += 1
             if f is obj and depth:
                 return _resolve_wrapped, (obj.__module__, obj.__qualname__, depth)
+        if type(obj) is torch._guards.Guard and (getattr(obj, "stack", None) is not None
+                                                 or getattr(obj, "user_stack", None) is not None):
+            # 3b. A saved guard without the stacks where Dynamo created it
+            #     (user_stack: the user's source line; stack: Dynamo's own):
+            #     they only add a "# file:line" comment to each verbose
+            #     code part (recompile reasons, TORCH_LOGS=guards), and were
+            #     30% of the encoder's saved guards (856 -> 597 KB, 26.6k ->
+            #     18.7k pickled objects) and a fifth of their build at load
+            #     (formatting ~1,300 comments). The guard itself (source,
+            #     create_fn, code) is unchanged.
+            import dataclasses
+
+            return dataclasses.replace(obj, stack=None, user_stack=None).__reduce_ex__(pickle.DEFAULT_PROTOCOL)
         if isinstance(obj, torch.Tensor):  # PyTorch reads .grad of non-leaf tensors too (a warning each)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")

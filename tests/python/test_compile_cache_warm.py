@@ -275,6 +275,22 @@ def test_saved_guards_are_built_once_as_pytorch_would_build_them(tmp_path, cache
         assert load["same"], load  # the same guard tree as its filtered build
 
 
+def test_saved_guards_are_saved_without_their_stacks(tmp_path, cache):
+    """The saved guards carry no creation stacks (Dynamo's user and
+    internal stacks: only "# file:line" comments of the verbose guard code;
+    30% of the encoder's saved guards), are built once as PyTorch builds
+    them, still reject a new shape, and the warm values are CPU's."""
+    _run(tmp_path, [[4, 16]], cache)
+    (entry,) = _entries(cache)
+    data = entry.read_bytes()
+    assert b"TENSOR_MATCH" in data  # the guards are there ...
+    for name in (b"StackSummary", b"FrameSummary", b"CapturedTraceback"):
+        assert name not in data, name  # ... without their stacks
+    warm = _run(tmp_path, [[4, 16], [2, 16]], cache, CHECK_GUARD_LOAD="1")
+    assert [(g["builds"], g["same"]) for g in warm["guard_load"]] == [(1, True)], warm["guard_load"]
+    assert warm["traced"] == 1 and warm["max_err"] <= 1e-4, warm  # [2, 16] failed the loaded guards
+
+
 MINILM_SCRIPT = textwrap.dedent('''
     import json, os, sys, warnings
     sys.path.insert(0, EXAMPLES)
