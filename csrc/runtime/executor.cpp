@@ -59,16 +59,17 @@ void CloseWindow(uint64_t generation) {
   if (w.generation.load(std::memory_order_relaxed) == generation) CloseLocked(w);
 }
 
-// A strict-mode call outside any graph, made at depth 0 or opening a
-// multi-tensor op (`counts`), or inside one: whether it is to be recorded
-// (the open window is armed). Closes the window at a sync point since it
-// opened or at its kMaxDeferredOps+1-th counted op.
-bool DeferCall(bool counts) {
+// A strict-mode call at depth 0, or the first call of a multi-tensor op
+// (OneProgramScope; its other calls are not counted): counts one op of the
+// open window and says whether the call is to be recorded (the window is
+// armed). Closes the window at a sync point since it opened or at its
+// kMaxDeferredOps+1-th op.
+bool DeferCall() {
   GraphWindow& w = Window();
   if (!w.open.load(std::memory_order_acquire)) return false;
   const uint64_t generation = w.generation.load(std::memory_order_acquire);
   if (SyncCount() != w.sync_count.load(std::memory_order_acquire) ||
-      (counts && w.ops.fetch_add(1, std::memory_order_acq_rel) >= kMaxDeferredOps)) {
+      w.ops.fetch_add(1, std::memory_order_acq_rel) >= kMaxDeferredOps) {
     CloseWindow(generation);
     return false;
   }
@@ -176,13 +177,13 @@ void RunOp(const c10::OperatorHandle& op, torch::jit::Stack* stack, const loweri
   if (mode == EagerMode::kStrict && one_program_depth > 0) {
     // A multi-tensor op counts once in a window between graphs (its first
     // call); its calls are recorded either way (one program).
-    if (current_call_index == 0) (void)DeferCall(/*counts=*/true);
+    if (current_call_index == 0) (void)DeferCall();
     return RunFused(op, stack, entry);
   }
   // In an armed window between compiled graphs (BeginGraphCall): recorded,
   // up to kMaxDeferredOps ops; past them (the window closes) the recorded
   // calls run as one region below and this call is strict.
-  if (mode == EagerMode::kStrict && DeferCall(/*counts=*/true)) return RunFused(op, stack, entry);
+  if (mode == EagerMode::kStrict && DeferCall()) return RunFused(op, stack, entry);
   // A region recorded under a OneProgramScope runs before any later call.
   if (mode != EagerMode::kFused && HasPendingWork()) FlushFusedRegion();
   switch (mode) {
