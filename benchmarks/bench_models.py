@@ -23,6 +23,7 @@ default; the warm process traces nothing and compiles no XLA program).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -42,6 +43,42 @@ CONFIGS = ["cpu eager", "cpu inductor", "tpu strict", "tpu fused", "tpu compile"
 # Configurations run with extra environment settings (read when a graph is
 # compiled, at the first call): the graph rewrites off, for an A/B in one run.
 CONFIG_ENV = {"tpu compile, projections unfused": {"TORCH_TPU_FUSE_PROJECTIONS": "0"}}
+# --compare-deferral adds it: tpu compile in strict mode with the deferral
+# between graphs off (torch_tpu._C._set_graph_deferral(False), as
+# TORCH_TPU_DEFER_BETWEEN_GRAPHS=0), the step as before it (8 programs).
+NO_DEFERRAL = "tpu compile, no deferral"
+
+
+class _deferral:
+    """Strict mode's deferral between compiled graphs on or off while timing
+    `config` (off for NO_DEFERRAL only)."""
+
+    def __init__(self, config):
+        self.on = config != NO_DEFERRAL
+
+    def __enter__(self):
+        self.saved = torch_tpu._C._graph_deferral()
+        torch_tpu._C._set_graph_deferral(self.on)
+
+    def __exit__(self, *exc):
+        torch_tpu._C._set_graph_deferral(self.saved)
+
+
+@contextlib.contextmanager
+def _config_env(config):
+    """CONFIG_ENV's settings of `config` in os.environ while it is built and
+    first called (where its graphs compile), restored after."""
+    extra = CONFIG_ENV.get(config, {})
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _median_ms(fn, sync, warmup, iters):
@@ -125,24 +162,13 @@ def measure(name, factory, args, iters, warmup=None):
     print("|---|---|---|---|")
     base = None
     results = {}
-    for config in CONFIGS:
-        if config in args.skip:
-            continue
+    for config in _configs(args):
         mode = "fused" if config in ("tpu fused", "tpu compile + fused mode") else "strict"
         try:
             torch._dynamo.reset()
-            saved = {k: os.environ.get(k) for k in CONFIG_ENV.get(config, {})}
-            os.environ.update(CONFIG_ENV.get(config, {}))
-            try:
-                with torch_tpu.eager_mode(mode):
-                    fn, device = factory(config)
-                    ms, programs = _median_ms(fn, _sync_for(device), args.warmup if warmup is None else warmup, iters)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+            with torch_tpu.eager_mode(mode), _deferral(config), _config_env(config):
+                fn, device = factory(config)
+                ms, programs = _median_ms(fn, _sync_for(device), args.warmup if warmup is None else warmup, iters)
         except Exception as e:  # a configuration that cannot run is reported, not fatal
             print(f"| {config} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} | | |")
             continue
@@ -152,6 +178,48 @@ def measure(name, factory, args, iters, warmup=None):
         shown = f"{programs:g}" if device == "tpu" else "-"
         print(f"| {config} | {ms:.2f} | {ratio} | {shown} |", flush=True)
     return results
+
+
+def _configs(args):
+    configs = CONFIGS + ([NO_DEFERRAL] if args.compare_deferral else [])
+    return [c for c in configs if c not in args.skip]
+
+
+def measure_interleaved(name, factory, args, iters, rounds, warmup):
+    """As measure(), but every configuration is built (and warmed up) first
+    and then timed in turns: `rounds` rounds, each timing `iters` calls of
+    every configuration in order, so machine load drifting over the run
+    hits all of them alike (`warmup` calls each first, one more before each
+    round's). Prints each configuration's median over the rounds' medians
+    and the range of the rounds' medians."""
+    print(f"\n## {name} (interleaved: {rounds} rounds of {iters} calls each)\n")
+    print("| configuration | ms per call (median of rounds) | rounds' range | ratio to CPU eager | programs per call |")
+    print("|---|---|---|---|---|")
+    torch._dynamo.reset()
+    built = {}
+    for config in _configs(args):
+        mode = "fused" if config in ("tpu fused", "tpu compile + fused mode") else "strict"
+        try:
+            with torch_tpu.eager_mode(mode), _deferral(config), _config_env(config):
+                fn, device = factory(config)
+                _median_ms(fn, _sync_for(device), warmup, 1)
+        except Exception as e:  # a configuration that cannot run is reported, not fatal
+            print(f"| {config} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} | | | |")
+            continue
+        built[config] = (fn, device, mode)
+    times = {c: [] for c in built}
+    programs = {}
+    for _ in range(rounds):
+        for config, (fn, device, mode) in built.items():
+            with torch_tpu.eager_mode(mode), _deferral(config):
+                ms, programs[config] = _median_ms(fn, _sync_for(device), 1, iters)
+            times[config].append(ms)
+    base = statistics.median(times["cpu eager"]) if "cpu eager" in times else None
+    for config, ts in times.items():
+        ms = statistics.median(ts)
+        ratio = f"{ms / base:.2f}x" if base else "n/a"
+        shown = f"{programs[config]:g}" if built[config][1] == "tpu" else "-"
+        print(f"| {config} | {ms:.2f} | {min(ts):.2f}-{max(ts):.2f} | {ratio} | {shown} |", flush=True)
 
 
 FIRST_RESULT = r"""
@@ -235,6 +303,11 @@ def main():
     p.add_argument("--skip", default="", help="comma-separated configurations to skip")
     p.add_argument("--only", default="b,c,d,e", help="which benchmarks: b,c,d,e")
     p.add_argument("--finetune-iters", type=int, default=3, help="timed calls of (e) (seconds each on CPU)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="(b), (e): time the configurations interleaved, this many rounds of --iters "
+                        "(--finetune-iters) calls each")
+    p.add_argument("--compare-deferral", action="store_true",
+                   help="also time tpu compile in strict mode with the deferral between graphs off")
     args = p.parse_args()
     args.skip = [s.strip() for s in args.skip.split(",") if s.strip()]
     print(f"torch {torch.__version__}; {torch.tpu.get_device_name()}; {os.cpu_count()} CPU cores; "
@@ -243,7 +316,12 @@ def main():
     if "b" in only:
         # A step takes a few ms: 10x the calls, so that the median is not one
         # garbage collection or scheduler hiccup away from another run's.
-        measure("(b) MLP training step (256-512-512-10, batch 64, AdamW)", mlp_step_factory, args, args.iters * 10)
+        if args.rounds:
+            measure_interleaved("(b) MLP training step (256-512-512-10, batch 64, AdamW)", mlp_step_factory, args,
+                                args.iters, args.rounds, args.warmup)
+        else:
+            measure("(b) MLP training step (256-512-512-10, batch 64, AdamW)", mlp_step_factory, args,
+                    args.iters * 10)
     if "c" in only:
         _, model_cpu = _minilm.load(_minilm.model_dir())
         g = torch.Generator().manual_seed(0)
@@ -256,8 +334,12 @@ def main():
         g = torch.Generator().manual_seed(0)
         batch = {"input_ids": torch.randint(1000, 2000, (8, 128), generator=g),
                  "attention_mask": torch.ones(8, 128, dtype=torch.long)}
-        measure("(e) all-MiniLM-L6-v2 fine-tuning step (encoder + head, AdamW), batch 8 x 128 tokens",
-                lambda config: finetune_factory(config, model_cpu, batch), args, args.finetune_iters, warmup=2)
+        name = "(e) all-MiniLM-L6-v2 fine-tuning step (encoder + head, AdamW), batch 8 x 128 tokens"
+        factory = lambda config: finetune_factory(config, model_cpu, batch)  # noqa: E731
+        if args.rounds:
+            measure_interleaved(name, factory, args, args.finetune_iters, args.rounds, 2)
+        else:
+            measure(name, factory, args, args.finetune_iters, warmup=2)
     if "d" in only:
         first_result(args)
 

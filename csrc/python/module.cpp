@@ -158,6 +158,10 @@ PYBIND11_MODULE(_C, m) {
     torch_tpu::runtime::GlobalOpCache().Clear();
   });
   m.def("_fused_region_size", [] { return torch_tpu::runtime::FusedRegionSize(); });
+  // Strict mode's deferral between compiled graphs (docs/design.md,
+  // "Programs per training step"); TORCH_TPU_DEFER_BETWEEN_GRAPHS=0 at start.
+  m.def("_set_graph_deferral", [](bool on) { torch_tpu::runtime::SetGraphDeferralEnabled(on); });
+  m.def("_graph_deferral", [] { return torch_tpu::runtime::GraphDeferralEnabled(); });
   m.def("lowered_ops", [] {
     std::vector<std::string> names;
     for (const auto* e : torch_tpu::lowering::AllLowerings()) names.emplace_back(e->name);

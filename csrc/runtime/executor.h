@@ -60,6 +60,49 @@ class OneProgramScope {
   OneProgramScope& operator=(const OneProgramScope&) = delete;
 };
 
+// Deferral between compiled graphs (strict mode; docs/design.md, "Programs
+// per training step"). Each torch.compile graph call in strict mode opens a
+// *window*, which the next graph call closes; so do a sync point
+// (SyncCount() moving: a copy to the host, item(), torch.tpu.synchronize),
+// a mode switch, a failed graph call, and the window's kMaxDeferredOps+1-th
+// op (a multi-tensor op counted once). A graph whose window was last closed
+// by the next graph call is *followed*; after a followed graph the window is
+// *armed*: its eager calls (a loss outside the model and its backward's
+// first calls, an optimizer step) are recorded by the fused executor
+// instead of launched one by one, and the next graph call absorbs them (the
+// graph becomes the region's last call and the region runs at once, one
+// program, GraphProgram::Run). Otherwise (never followed, or the window
+// closes another way, which also forgets it) every call runs as strict mode
+// always ran it: an eager tail after a graph that no graph follows (before
+// a sync point, within the bound) is never deferred, and the first time
+// any graph runs nothing is deferred. A closed armed window's recorded
+// calls run as one region at the sync point (or at the op past the bound).
+// Errors: a call's own errors (arguments, shapes, dtypes) raise at the call
+// as always; value and index checks at the next sync point naming the op,
+// as strict mode's always do. Debug and fused mode are unaffected.
+// TORCH_TPU_DEFER_BETWEEN_GRAPHS=0 turns it off (no window ever opens).
+// Process-wide, not per thread: a backward graph runs on autograd's device
+// thread, the loss and the optimizer on the caller's.
+bool GraphDeferralEnabled();
+// Turns it on or off from now on (torch_tpu._C._set_graph_deferral, for
+// side-by-side measurements); off closes the open window.
+void SetGraphDeferralEnabled(bool on);
+// At a strict-mode graph call, before it runs: notes that the open window
+// (if any) is followed by this call; true if that window is armed (the
+// region the fused executor holds is the calls to absorb). The window stays
+// open (and armed) until EndGraphCall, so the graph's own input copies are
+// recorded into the region too.
+bool BeginGraphCall();
+// After a strict-mode graph call (graph `uid`) ran: opens its window, armed
+// if `uid` is followed.
+void EndGraphCall(uint64_t uid);
+// Closes the open window (forgetting that its graph is followed).
+void CloseGraphWindow();
+// Whether the open window is armed (its calls are recorded).
+bool GraphDeferralArmed();
+// Ops a window holds at most; its next op closes it.
+constexpr int64_t kMaxDeferredOps = 64;
+
 // The index of the current call inside the outermost OneProgramScope on
 // this thread (0 for its first call), or -1 outside any scope. Fused mode's
 // loop detector mixes it into the signature of calls inside a scope: the

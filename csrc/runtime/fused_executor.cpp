@@ -316,6 +316,7 @@ class FusedExecutor {
     }
     calls_.push_back(std::move(rc));
     units_ += unit ? 1 : 0;
+    if (CurrentMode() == EagerMode::kStrict && GraphDeferralArmed()) deferred_ = true;
     SetPendingWork(true);  // from now on every storage read flushes first (Materialize)
     stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
     for (auto& v : returns) stack->push_back(std::move(v));
@@ -386,6 +387,7 @@ class FusedExecutor {
     }
     calls_.push_back(std::move(rc));
     ++units_;
+    if (CurrentMode() == EagerMode::kStrict && GraphDeferralArmed()) deferred_ = true;
     SetPendingWork(true);
     if (CurrentMode() == EagerMode::kFused && LoopsEnabled()) ObserveLoop(GraphSignature(*graph));
     return computed;
@@ -612,6 +614,7 @@ class FusedExecutor {
         self->call_key_begin_.clear();
         self->ids_.seen.clear();
         self->flushing_ = false;
+        self->deferred_ = false;
         if (last) {
           SetPendingWork(false);
           ReleaseKeptStorages();
@@ -627,7 +630,10 @@ class FusedExecutor {
       metrics.cache_hits++;
     } else {
       metrics.cache_misses++;
-      if (CurrentMode() == EagerMode::kFused && Churning()) {
+      // Churn applies to fused mode's regions and to those deferred between
+      // graphs in strict mode, not to a strict-mode multi-tensor op's (one
+      // program, always).
+      if ((CurrentMode() == EagerMode::kFused || deferred_) && Churning()) {
         RunOneByOne(alive);
         return;
       }
@@ -929,6 +935,7 @@ class FusedExecutor {
 
   std::recursive_mutex mutex_;
   bool flushing_ = false;
+  bool deferred_ = false;  // calls recorded while deferring between graphs (strict mode): churn applies
   int region_device_ = -1;  // the device of the recorded calls
   std::vector<RecordedCall> calls_;
   size_t units_ = 0;  // calls_ with `unit` set: the ops the size bound counts

@@ -542,8 +542,29 @@ std::vector<at::Tensor> GraphProgram::Run(const std::vector<at::Tensor>& inputs)
   if (!executable_) Compile();  // also the op-by-op fallback of a region holding the graph
   std::vector<at::Tensor> computed;
   std::shared_ptr<GraphProgram> self = weak_from_this().lock();
-  if (self && CurrentMode() == EagerMode::kFused && FusedGraphsEnabled()) {
+  const EagerMode mode = CurrentMode();
+  if (self && mode == EagerMode::kFused && FusedGraphsEnabled()) {
     computed = RecordGraphCall(self, inputs);
+  } else if (mode == EagerMode::kStrict) {
+    // The window between graph calls (executor.h, BeginGraphCall): when the
+    // previous graph's window is armed, the calls recorded since then (the
+    // loss and its backward's first calls before a backward graph) and this
+    // graph run now as one region, the graph as its last call; else the
+    // graph launches by itself, as always. Either way it runs here, at its
+    // call.
+    try {
+      if (BeginGraphCall() && self && FusedRegionSize() > 0) {
+        computed = RecordGraphCall(self, inputs);
+        FlushFusedRegion();
+      } else {
+        CheckInputs(inputs);
+        computed = Launch(inputs);
+      }
+    } catch (...) {
+      CloseGraphWindow();
+      throw;
+    }
+    EndGraphCall(uid_);
   } else {
     CheckInputs(inputs);
     computed = Launch(inputs);

@@ -140,6 +140,10 @@ std::atomic<bool> pending_work{false};
 }  // namespace
 
 void SetFlushHook(void (*hook)()) { flush_hook = hook; }
+namespace {
+std::atomic<uint64_t> sync_count{0};
+}  // namespace
+uint64_t SyncCount() { return sync_count.load(std::memory_order_acquire); }
 bool HasPendingWork() { return pending_work.load(std::memory_order_acquire); }
 void SetPendingWork(bool recorded) { pending_work.store(recorded, std::memory_order_release); }
 
@@ -459,6 +463,7 @@ std::shared_ptr<CheckState> Runtime::AddPendingCheck(std::shared_ptr<pjrt::Buffe
 }
 
 void Runtime::Sync() {
+  sync_count.fetch_add(1, std::memory_order_acq_rel);
   FlushPendingWork();
   std::deque<InFlight> pending;
   {

@@ -172,6 +172,10 @@ int64_t CpuDeviceCount();
 // region is recorded (DeviceStorage::Materialize) and at every sync point.
 void FlushPendingWork();
 void SetFlushHook(void (*hook)());
+// Sync points so far: Runtime::Sync calls (every copy to the host, item(),
+// torch.tpu.synchronize()). The deferral between compiled graphs ends at
+// one (executor.h, BeginGraphCall).
+uint64_t SyncCount();
 // Whether a fused region holds recorded calls that have not run yet (set by
 // the fused executor as it records and flushes). While it does, any
 // storage's buffer may be stale: a recorded call may write it in place
