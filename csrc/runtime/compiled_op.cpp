@@ -15,6 +15,7 @@
 #include <deque>
 #include <pthread.h>
 #include <thread>
+#include <tuple>
 #include <cstdint>
 #include <limits>
 #include <cstdlib>
@@ -210,7 +211,9 @@ bool PolyMarked(std::span<const int8_t> dynamic, size_t num_args, size_t arg, in
 
 // `dynamic`: keyed with size(dim) = extent, without strides (a dynamic
 // tensor is contiguous) and with whether t covers its storage's bytes
-// (instead of their count); extent < 0 leaves out the buffer size.
+// (instead of their count), without the buffer's size: the program's
+// parameter has the canonical size at the bucket (PolyBufferNumel) and a
+// launch resizes any other buffer to it (GatherInputs).
 void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& ids, bool dynamic = false,
                   int64_t extent = 0, int64_t dim = 0) {
   if (!ids.seen.empty() && ids.seen.front()->device_index() != StorageOf(t).device_index())
@@ -232,7 +235,7 @@ void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& 
   }
   atoms.push_back(t.storage_offset());
   if (dynamic) {
-    atoms.push_back(extent < 0 ? -1 : StorageNumel(t));
+    atoms.push_back(-1);
     atoms.push_back(static_cast<int64_t>(StorageOf(t).nbytes()) == t.numel() * static_cast<int64_t>(t.element_size()));
   } else {
     atoms.push_back(StorageNumel(t));
@@ -582,6 +585,7 @@ hlo::Value ProgramBuilder::ReadFlat(StorageState& st) {
     InputSlot slot = st.first_use;
     slot.kind = InputSlot::Kind::kStorage;
     slot.element = st.element;
+    slot.numel = st.poly ? st.numel : -1;
     inputs.push_back(slot);
   }
   return *st.param;
@@ -722,9 +726,31 @@ hlo::Value ProgramBuilder::PolyRows(const at::Tensor& t, hlo::Value flat) {
   return b.Select(b.Compare(row, n, hlo::CompareDirection::kLT), x, FillConstant(b, x.element(), poly->fill, dims));
 }
 
+int64_t ProgramBuilder::PolyBufferNumel(const at::Tensor& t) const {
+  int64_t numel = 1;
+  const std::vector<int64_t> order = t.is_contiguous() ? std::vector<int64_t>{} : DenseOrder(t);
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (!t.is_contiguous() && std::find(order.begin(), order.end(), d) == order.end()) continue;
+    numel *= d == poly->dim ? Capacity(poly->bucket) : t.size(d);
+  }
+  return numel;
+}
+
 hlo::Value ProgramBuilder::ReadTensor(const at::Tensor& t, const InputSlot& use) {
   StorageState& st = StateFor(t, use);
-  if (PolyDynamic(use)) return PolyRows(t, ReadFlat(st));  // same element type: PlanPoly checked
+  if (PolyDynamic(use)) {  // same element type: PlanPoly checked
+    // The parameter is the canonical buffer at the bucket, whatever buffer
+    // the storage has now (the launch resizes it): one program per bucket.
+    const int64_t numel = PolyBufferNumel(t);
+    if (!st.param && !st.current) {
+      st.numel = numel;
+      st.poly = true;
+    } else if (!st.poly || st.numel != numel) {
+      throw UnsupportedOp("shape polymorphism: a storage read at two layouts");
+    }
+    return PolyRows(t, ReadFlat(st));
+  }
+  if (st.poly) throw UnsupportedOp("shape polymorphism: a storage read with and without the dynamic dim");
   hlo::Value flat = lowering::ReinterpretFlat(b, ReadFlat(st), lowering::ToElementType(t.scalar_type()));
   return lowering::ReadView(b, flat, LayoutOf(t));
 }
@@ -1129,9 +1155,15 @@ bool PlanPolyConcat(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   plan.dynamic.assign(args.size() + items.size(), 0);
   plan.dynamic[static_cast<size_t>(list_arg)] = 2;
   plan.num_items = items.size();
+  int64_t scale = 0, offset = 0;  // the output's a * n + c rows along dim
   for (size_t j = 0; j < items.size(); ++j) {
     const at::Tensor& t = items[j].toTensor();
-    if (t.dim() != rank || t.size(dim) != n) continue;  // static
+    if (t.dim() != rank) continue;  // a legacy empty 1-d item: skipped by cat
+    if (t.size(dim) != n) {
+      offset += t.size(dim);
+      continue;  // static
+    }
+    ++scale;
     if (t.storage_offset() != 0 || t.is_conj() || t.is_neg() ||
         StorageElement(t) != lowering::ToElementType(t.scalar_type()))
       return false;
@@ -1146,7 +1178,12 @@ bool PlanPolyConcat(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   plan.leader_item = leader_item;
   plan.dim = dim;
   plan.extent = n;
-  plan.bucket = Capacity(n);
+  // Bucketed by the output's rows: the program serves every n whose
+  // a * n + c rows have the same Capacity, reading the items at the largest
+  // such n, so its output buffer is the canonical one of the output's own
+  // bucket (Compile) — what the next step's programs (the growing cache's
+  // next cat, its readers) declare, so they need no resize.
+  plan.bucket = (Capacity(scale * n + offset) - offset) / scale;
   return true;
 }
 
@@ -1259,12 +1296,20 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     const auto& out = spec.outputs[r];
     int64_t flat_dims[] = {new_values[r]->type.numel()};
     const bool dynamic = plan && dynamic_out[r] >= 0;
-    // A dynamic output's buffer has its numel at the bucket (PolyWrite):
-    // at least the tensor's elements for every extent of the bucket.
-    const int64_t n = dynamic ? flat_dims[0] : Capacity(flat_dims[0]);
-    program_results.push_back(dynamic ? pb.PolyWrite(*new_values[r], dynamic_out[r], affine[r].first,
-                                                     affine[r].second)
-                                      : lowering::ResizeFlat(pb.b, pb.b.Reshape(*new_values[r], flat_dims), n));
+    // A dynamic output's buffer is canonical for its own extent's bucket
+    // (PolyBufferNumel of a reader at that bucket): its numel with the
+    // dynamic dim at Capacity(its size at the bucket) — the bucket itself,
+    // or for cat the Capacity of a * B + c rows (PlanPolyConcat); at least
+    // the tensor's elements for every extent of the bucket.
+    int64_t n = Capacity(flat_dims[0]);
+    if (dynamic) {
+      const int64_t rows = out.sizes[static_cast<size_t>(dynamic_out[r])];
+      n = rows == 0 ? 0 : flat_dims[0] / rows * Capacity(rows);
+    }
+    program_results.push_back(
+        dynamic ? lowering::ResizeFlat(pb.b, pb.PolyWrite(*new_values[r], dynamic_out[r], affine[r].first,
+                                                          affine[r].second), n)
+                : lowering::ResizeFlat(pb.b, pb.b.Reshape(*new_values[r], flat_dims), n));
     OutputSlot slot;
     slot.kind = OutputSlot::Kind::kNewTensor;
     slot.dtype = out.dtype;
@@ -1766,6 +1811,57 @@ const at::Tensor& TensorOf(const ArgResolver& arg_of, int32_t call, int16_t arg,
   return v.toListRef()[static_cast<size_t>(item)].toTensor();
 }
 
+namespace {
+
+// `sb`'s contents in a buffer of `numel` elements (the prefix copied, the
+// rest zeros; a shorter buffer keeps the first `numel`): a device program
+// per (element type, sizes), compiled once and counted in
+// metrics()["compiles"] and in compiles_by_op as "tpu::resize_buffer".
+// The new buffer inherits `sb`'s checks and producer. Asynchronous like any
+// launch (tracked for the next sync point).
+StorageBuffer ResizeStorageBuffer(const StorageBuffer& sb, int64_t numel, int device_index) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int64_t, int64_t>, std::shared_ptr<pjrt::Executable>> programs;
+  auto& rt = Runtime::Get();
+  const auto key = std::make_tuple(static_cast<int>(sb.element), sb.numel, numel);
+  std::shared_ptr<pjrt::Executable> exe;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (auto it = programs.find(key); it != programs.end()) exe = it->second;
+  }
+  if (!exe) {
+    const auto start = std::chrono::steady_clock::now();
+    hlo::Builder b;
+    hlo::Value in = b.Parameter(hlo::TensorType{sb.element, {sb.numel}});
+    hlo::Value out[] = {lowering::ResizeFlat(b, in, numel)};
+    b.Return(out);
+    const std::string name = "tpu::resize_buffer";
+    exe = CompileModule(name, b.Module(), /*single_op=*/true);
+    CallSignature signature;
+    signature.layout = c10::hash_combine(std::hash<int64_t>()(sb.numel), std::hash<int64_t>()(numel));
+    signature.dtypes = std::hash<int>()(static_cast<int>(sb.element));
+    signature.shapes = "[" + std::to_string(sb.numel) + "] -> [" + std::to_string(numel) + "]";
+    CompileStats::Get().Record(name, signature,
+                               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    std::lock_guard<std::mutex> lock(mutex);
+    if (programs.size() >= MaxCachedExecutables()) programs.clear();  // a bound: recompiled on demand
+    programs.emplace(key, exe);
+  }
+  pjrt::Buffer* args[] = {sb.buffer.get()};
+  std::unique_ptr<pjrt::Event> done;
+  std::vector<std::unique_ptr<pjrt::Buffer>> outs;
+  try {
+    outs = exe->Execute(args, rt.device(device_index), {}, &done);
+  } catch (const pjrt::Error& e) {
+    RethrowDeviceError(e, "tpu::resize_buffer", device_index);
+  }
+  rt.metrics().executions++;
+  if (done) rt.Track(std::move(done), "tpu::resize_buffer");
+  return StorageBuffer{std::shared_ptr<pjrt::Buffer>(std::move(outs[0])), sb.element, numel, sb.producer, sb.checks};
+}
+
+}  // namespace
+
 LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolver& arg_of, int default_device,
                           const std::vector<int64_t>& donors, bool poisoned_ok) {
   auto& rt = Runtime::Get();
@@ -1777,7 +1873,25 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
     if (s.kind != InputSlot::Kind::kStorage) continue;
     const at::Tensor& t = TensorOf(arg_of, s.call, s.arg, s.item);
     if (device_index < 0) device_index = t.device().index();
-    const StorageBuffer& sb = StorageOf(t).Materialize(s.element, poisoned_ok);
+    DeviceStorage& storage = StorageOf(t);
+    const StorageBuffer* current = &storage.Materialize(s.element, poisoned_ok);
+    if (s.numel >= 0 && current->numel != s.numel) {
+      // A shape-polymorphic program's canonical buffer (InputSlot::numel):
+      // the storage's contents resized to it. The storage keeps the new
+      // buffer where it holds all its elements (the next read hits);
+      // otherwise (a prefix view of a longer storage) it is this launch's.
+      StorageBuffer resized = ResizeStorageBuffer(*current, s.numel, t.device().index());
+      if (static_cast<size_t>(s.numel) * ElementSize(s.element) >= storage.nbytes()) {
+        storage.Set(std::move(resized));
+        current = &storage.current();
+      } else {
+        li.temps.push_back(resized.buffer);
+        if (!resized.checks.empty()) InheritChecks(li.checks, resized.checks);
+        li.buffers[i] = resized.buffer.get();
+        continue;
+      }
+    }
+    const StorageBuffer& sb = *current;
     if (!sb.checks.empty()) InheritChecks(li.checks, sb.checks);
     li.buffers[i] = sb.buffer.get();
     if (sb.buffer.use_count() == 1 && std::find(donors.begin(), donors.end(), static_cast<int64_t>(i)) != donors.end())

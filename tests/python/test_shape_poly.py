@@ -619,8 +619,17 @@ def test_cat_dynamic_operand_values(mode):
                 _same(torch.cat([t.to(TPU) for t in tensors], dim), torch.cat(tensors, dim))
 
 
+def _op_compiles(name):
+    return torch_tpu.metrics()["compiles_by_op"].get(name, {}).get("compiles", 0)
+
+
 def _cat_compiles():
-    return torch_tpu.metrics()["compiles_by_op"].get("aten::cat", {}).get("compiles", 0)
+    return _op_compiles("aten::cat")
+
+
+def _resizes():
+    """Compiles of the buffer resize (a launch giving a dynamic input the canonical size)."""
+    return _op_compiles("tpu::resize_buffer")
 
 
 def test_cat_bounded_compiles(strict):
@@ -643,14 +652,17 @@ def test_cat_bounded_compiles(strict):
 
 def test_cat_growing_cache(strict):
     """The KV cache as generate() grows it (each step's past is the previous step's cat
-    output, a bucket-sized buffer): values equal CPU's at every step; cat compiles at most
-    kPolyAfter exact programs plus two per bucket (a bucket's first step reads the previous
-    bucket's buffer, whose size is in the key)."""
+    output, a buffer canonical for its own bucket): values equal CPU's at every step; cat
+    compiles at most kPolyAfter exact programs plus one per bucket (cat is bucketed by its
+    output's rows), the buffer resize at most one per bucket (a bucket's first step pads the
+    previous bucket's buffer), and the reader `past * 2` one per bucket (buffer size not in
+    the key)."""
     past_cpu = _data_at((1, 2, 100, 8), torch.float64, seed=1)
     past = past_cpu.to(TPU)
     lengths = list(range(100, 130))
     buckets = {capacity(n) for n in lengths}
     before = _cat_compiles()
+    resizes_before, muls_before = _resizes(), _op_compiles("aten::mul.Tensor")
     for n in lengths:
         new_cpu = _data_at((1, 2, 1, 8), torch.float64, seed=n)
         past_cpu = torch.cat([past_cpu, new_cpu], -2)
@@ -658,4 +670,85 @@ def test_cat_growing_cache(strict):
         _same(past, past_cpu)
         _same(past * 2, past_cpu * 2)  # the bucket-sized buffer feeds other programs
     compiles = _cat_compiles() - before
-    assert compiles <= 2 + 2 * len(buckets), (compiles, len(buckets))
+    assert compiles <= 2 + len(buckets), (compiles, len(buckets))
+    assert _resizes() - resizes_before <= len(buckets), (_resizes() - resizes_before, len(buckets))
+    muls = _op_compiles("aten::mul.Tensor") - muls_before
+    assert muls <= 2 + len(buckets), (muls, len(buckets))
+
+
+# --- the buffer size is not in the bucket key ------------------------------
+
+BUFFER_LENGTHS = [0, 1, 15, 16, 17, 31, 32, 33]
+
+
+def _producers(n, seed):
+    """[2, n, 3] float32 tensors (CPU value, tpu tensor) whose buffers differ: an upload
+    (Capacity(6n) elements), an exact program's output (cumsum: never polymorphic, Capacity(6n)),
+    a polymorphic program's output at n's bucket (2 * Capacity(n) * 3), and the first 6n
+    elements of a polymorphic output of [2, 2n + 40, 3] (another bucket, a longer storage:
+    read through a resized copy, the storage keeps its buffer)."""
+    x = _data_at((2, n, 3), seed=seed)
+    long = _data_at((2, 2 * n + 40, 3), seed=seed + 1)
+    t, tl = x.to(TPU), long.to(TPU)
+    prefix = (long * 1.5).view(-1)[: 6 * n].view(2, n, 3)
+    prefix_t = (tl * 1.5).view(-1)[: 6 * n].view(2, n, 3)
+    return [(x, t), (torch.cumsum(x, 0), torch.cumsum(t, 0)), (x * 1.5, t * 1.5), (prefix, prefix_t)]
+
+
+def test_inputs_of_any_buffer_size(mode):
+    """Polymorphic programs read inputs whatever their buffer's size (uploads, exact
+    programs' Capacity(numel) buffers, polymorphic outputs of this bucket or of another):
+    elementwise, in-place, reductions with padding filled (NaN and inf included), softmax
+    over the dynamic dim, and a cat, all equal CPU exactly (sums to float32 tolerance) at
+    lengths 0, 1 and around the bucket edges 16 and 32."""
+    with no_cpu_fallback():
+        for n in BUFFER_LENGTHS:
+            for k, (x, t) in enumerate(_producers(n, seed=11)):
+                _same(t * 2.5 + 1.25, x * 2.5 + 1.25)
+                if n:
+                    _same(t.amax(1), x.amax(1))
+                _same(t.sum(1), x.sum(1), exact=False)
+                _same(torch.isneginf(t).any(1), torch.isneginf(x).any(1))
+                _same(t.transpose(1, 2).softmax(-1), x.transpose(1, 2).softmax(-1), exact=False)
+                _same(torch.cat([t, t[:, :1]], 1), torch.cat([x, x[:, :1]], 1))
+                y, yc = t.clone(), x.clone()
+                y.mul_(3.0)
+                yc.mul_(3.0)
+                _same(y, yc)
+                _same(t, x)  # a resized input still holds its values
+
+
+def test_integer_inputs_of_any_buffer_size(mode):
+    """int64 and bool inputs from exact programs (Capacity(numel) buffers, padded with zeros
+    by the resize) through sum, amin and all: exact, the padding never counted."""
+    with no_cpu_fallback():
+        for n in BUFFER_LENGTHS[1:]:
+            x = _data_at((3, n), torch.int64, seed=5)
+            t = torch.cumsum(x.to(TPU), 0)
+            xc = torch.cumsum(x, 0)
+            _same(t.sum(1), xc.sum(1))
+            _same(t.amin(1), xc.amin(1))
+            b, bc = t > -1000, xc > -1000
+            _same(b.all(1), bc.all(1))
+            _same((t + 1).prod(1), (xc + 1).prod(1))
+
+
+def test_buffer_size_not_in_key_bounded_compiles(strict):
+    """Over 20 lengths in (100, 120] with [2, n, 3] inputs from exact programs (cumsum,
+    Capacity(6n) buffers: a new size at nearly every length), the polymorphic readers compile
+    at most kPolyAfter exact programs plus one per bucket each (before: one per buffer
+    size), and the resizes one per (buffer size, bucket), shared by the readers."""
+    lengths = list(range(101, 121))
+    buckets = {capacity(n) for n in lengths}
+    ops = ("aten::mul.Tensor", "aten::add.Tensor", "aten::sum.dim_IntList")
+    before = {op: _op_compiles(op) for op in ops}
+    resizes = _resizes()
+    for n in lengths:
+        x = torch.cumsum(_data_at((2, n, 3), torch.float64, seed=3, special=False), 0)
+        t = torch.cumsum(_data_at((2, n, 3), torch.float64, seed=3, special=False).to(TPU), 0)
+        _same(t * t + t, x * x + x)
+        _same(t.sum(1), x.sum(1), exact=False)
+    for op in ops:
+        compiles = _op_compiles(op) - before[op]
+        assert compiles <= 2 + len(buckets), (op, compiles, len(buckets))
+    assert _resizes() - resizes <= len(lengths)
