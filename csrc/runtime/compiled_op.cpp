@@ -480,10 +480,20 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
         meta_stack.push_back(at::empty({0}, v.toTensor().options().device(c10::kMeta)));
         continue;
       }
+      // A dynamic tensor at the extent, in its memory order (a permuted
+      // view's: the meta kernel then gives the output strides CPU would).
       auto at_extent = [&](const at::Tensor& t) {
         std::vector<int64_t> sizes = t.sizes().vec();
         sizes[static_cast<size_t>(dim)] = extent;
-        return at::empty(sizes, t.options().device(c10::kMeta));
+        const std::vector<int64_t> order = t.is_contiguous() ? std::vector<int64_t>{} : DenseOrder(t);
+        if (order.empty()) return at::empty(sizes, t.options().device(c10::kMeta));
+        std::vector<int64_t> strides = t.strides().vec();  // size-1 and expanded dims keep theirs
+        int64_t stride = 1;
+        for (size_t k = order.size(); k-- > 0;) {
+          strides[static_cast<size_t>(order[k])] = stride;
+          stride *= sizes[static_cast<size_t>(order[k])];
+        }
+        return at::empty_strided(sizes, strides, t.options().device(c10::kMeta));
       };
       if (PolyMarked(dynamic, args.size(), i, -1)) {  // a bucketed dim (shape polymorphism)
         meta_stack.push_back(at_extent(v.toTensor()));
@@ -550,7 +560,10 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
     int16_t a = spec.return_alias[r];
     if (a < 0) continue;
     const at::Tensor& target = stack[first + static_cast<size_t>(a)].toTensor();
-    if (target.sizes() != spec.outputs[r].sizes) {
+    std::vector<int64_t> target_sizes = target.sizes().vec();
+    if (PolyMarked(dynamic, args.size(), static_cast<size_t>(a), -1))  // a dynamic out= or in-place tensor
+      target_sizes[static_cast<size_t>(dim)] = extent;
+    if (target_sizes != spec.outputs[r].sizes) {
       if (std::find(out_args.begin(), out_args.end(), a) == out_args.end())
         throw UnsupportedOp("in-place result has sizes " + c10::str(spec.outputs[r].sizes) +
                             " but the tensor has " + c10::str(target.sizes()));
@@ -763,7 +776,10 @@ void ProgramBuilder::WriteTensor(const at::Tensor& t, const InputSlot& use, hlo:
     if (!PolyDynamic(use)) throw UnsupportedOp("shape polymorphism: writes a tensor without the dynamic dim");
     std::vector<int64_t> dims = t.sizes().vec();
     dims[static_cast<size_t>(poly->dim)] = poly->bucket;
-    st.current = PolyWrite(lowering::Prepare(b, value, t.scalar_type(), dims), poly->dim);
+    // The canonical buffer at the bucket (PolyBufferNumel), as a new
+    // dynamic output's: the storage's next readers at this bucket declare it.
+    st.current = lowering::ResizeFlat(b, PolyWrite(lowering::Prepare(b, value, t.scalar_type(), dims), poly->dim),
+                                      PolyBufferNumel(t));
     return;
   }
   value = lowering::Prepare(b, value, t.scalar_type(), t.sizes().vec());
@@ -1039,16 +1055,16 @@ struct PolyPlan {
   int64_t bucket = 0;           // Capacity(extent)
 };
 
-// The highest rank among the call's tpu tensors (0: none, or a tensor list
-// or out= argument, which polymorphic programs do not take) and the first
-// argument of that rank.
+// The highest rank among the call's tpu tensors (0: none, or a tensor-list
+// argument, which PlanPoly does not take) and the first argument of that
+// rank (an out= tensor counts: PlanPoly treats it as any written tensor).
 int64_t PolyRank(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first, int16_t& leader) {
   const auto& args = op.schema().arguments();
   int64_t rank = 0;
   leader = -1;
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = stack[first + i];
-    if (IsOutArg(args[i]) || IsTensorListValue(v)) return 0;
+    if (IsTensorListValue(v)) return 0;
     if (!v.isTensor() || !v.toTensor().defined() || !OnTpu(v.toTensor())) continue;
     if (v.toTensor().dim() > rank) {
       rank = v.toTensor().dim();
@@ -1059,12 +1075,14 @@ int64_t PolyRank(const c10::OperatorHandle& op, const torch::jit::Stack& stack, 
 }
 
 // Whether the call can share a program with calls that differ in dim `dim`
-// of its highest-rank tensors, and how: its entry is shape_poly, no out= or
+// of its highest-rank tensors, and how: its entry is shape_poly, no
 // tensor-list argument; the tpu tensors of the highest rank R > dim have
 // size(dim) equal to the leader's n >= 1 (dynamic: contiguous, offset 0,
 // typed as their storage, and covering it if written) or 1 (broadcast);
 // lower-rank tensors are static and, where they reach dim `dim` (trailing
-// alignment), have size 1 there; every written tensor is dynamic. n = 0
+// alignment), have size 1 there; every written tensor (in place or out=)
+// is dynamic, so an out= needing a resize at one n needs it at every n and
+// declines (PolySpec). n = 0
 // stays static (meta kernels raise for empty reductions). Broadcast
 // validity is then the same for every n (so a hit needs no meta kernel).
 bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
@@ -1235,10 +1253,20 @@ CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
     }
     if (real.return_alias[r] >= 0 && dynamic_out[r] != plan.dim)
       throw UnsupportedOp("shape polymorphism: writes a tensor without the dynamic dim");
-    if (real.return_alias[r] < 0 && !real.strides[r].empty())
-      throw UnsupportedOp("shape polymorphism: a new output is not row-major");
+    if (real.return_alias[r] < 0 && !real.strides[r].empty()) {
+      // A permuted dense output (an elementwise op on a transposed view
+      // keeps its input's strides, as CPU's TensorIterator does): served
+      // where its memory order is the same at n, the bucket and bucket + 1
+      // and the dynamic dim is in it; the program writes it in that order.
+      const auto order = PhysicalOrder(sr, real.strides[r]);
+      if (entry.traits.poly_concat || dynamic_out[r] < 0 || at_b.strides[r].empty() || at_b1.strides[r].empty() ||
+          PhysicalOrder(sb, at_b.strides[r]) != order || PhysicalOrder(sb1, at_b1.strides[r]) != order ||
+          sr[static_cast<size_t>(dynamic_out[r])] < 2)
+        throw UnsupportedOp("shape polymorphism: a new output is not row-major");
+    } else {
+      at_b.strides[r].clear();  // row-major, as the call's own
+    }
   }
-  at_b.strides.assign(n, {});  // row-major, as the call's own
   return at_b;
 }
 
@@ -1306,20 +1334,29 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
       const int64_t rows = out.sizes[static_cast<size_t>(dynamic_out[r])];
       n = rows == 0 ? 0 : flat_dims[0] / rows * Capacity(rows);
     }
+    // A permuted dynamic output (PolySpec): AddCall gave its values in
+    // memory order, where the dynamic dim is at `physical_dim`.
+    std::vector<int64_t> order;
+    int64_t physical_dim = dynamic ? dynamic_out[r] : 0;
+    if (dynamic && !spec.strides[r].empty()) {
+      order = PhysicalOrder(out.sizes, spec.strides[r]);
+      physical_dim = std::find(order.begin(), order.end(), dynamic_out[r]) - order.begin();
+    }
     program_results.push_back(
-        dynamic ? lowering::ResizeFlat(pb.b, pb.PolyWrite(*new_values[r], dynamic_out[r], affine[r].first,
+        dynamic ? lowering::ResizeFlat(pb.b, pb.PolyWrite(*new_values[r], physical_dim, affine[r].first,
                                                           affine[r].second), n)
                 : lowering::ResizeFlat(pb.b, pb.b.Reshape(*new_values[r], flat_dims), n));
     OutputSlot slot;
     slot.kind = OutputSlot::Kind::kNewTensor;
     slot.dtype = out.dtype;
     slot.sizes = out.sizes;
-    slot.strides = spec.strides[r];
+    slot.strides = dynamic ? std::vector<int64_t>{} : spec.strides[r];  // a dynamic one's: `order`
     slot.element = lowering::ToElementType(out.dtype);
     slot.numel = n;
     slot.dynamic = dynamic;
     slot.dynamic_dim = static_cast<int8_t>(dynamic ? dynamic_out[r] : 0);
     if (dynamic) std::tie(slot.dynamic_scale, slot.dynamic_offset) = affine[r];
+    slot.order = std::move(order);
     compiled->returns.push_back({false, static_cast<int16_t>(compiled->outputs.size())});
     compiled->outputs.push_back(std::move(slot));
   }
@@ -1772,6 +1809,17 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   return cache_.Insert(key, std::move(compiled));
 }
 
+std::vector<int64_t> OutputStrides(const OutputSlot& o, std::span<const int64_t> sizes) {
+  if (o.order.empty()) return o.strides;
+  std::vector<int64_t> strides(sizes.size(), 0);
+  int64_t stride = 1;
+  for (size_t i = o.order.size(); i-- > 0;) {
+    strides[static_cast<size_t>(o.order[i])] = stride;
+    stride *= sizes[static_cast<size_t>(o.order[i])];
+  }
+  return strides;
+}
+
 DeviceStorage& StorageOf(const at::Tensor& t) {
   const c10::DataPtr& data = t.storage().data_ptr();
   // The tpu allocator's DataPtrs have the DeviceStorage as context; any other
@@ -1984,7 +2032,7 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
       sizes[static_cast<size_t>(o.dynamic_dim)] =
           o.dynamic_scale * TensorOf(arg_of, 0, op.poly_leader, op.poly_leader_item).size(op.poly_dim) +
           o.dynamic_offset;
-      new_tensors.push_back(WrapBuffer(std::move(sb), sizes, o.dtype, li.device_index));
+      new_tensors.push_back(WrapBuffer(std::move(sb), sizes, o.dtype, li.device_index, OutputStrides(o, sizes)));
     } else if (o.kind == OutputSlot::Kind::kNewTensor) {
       new_tensors.push_back(WrapBuffer(std::move(sb), o.sizes, o.dtype, li.device_index, o.strides));
     } else {

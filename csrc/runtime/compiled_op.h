@@ -78,7 +78,16 @@ struct OutputSlot {
   int8_t dynamic_dim = 0;
   int64_t dynamic_scale = 1;    // cat of `scale` dynamic operands ...
   int64_t dynamic_offset = 0;   // ... and static ones of `offset` elements along the dim (PlanPolyConcat)
+  // `dynamic` and permuted (strides not row-major): the dims outermost to
+  // innermost in memory (PhysicalOrder); the launch's strides follow it.
+  std::vector<int64_t> order;
 };
+
+// A new tensor output's strides at `sizes` (the launch's, for a dynamic
+// one): OutputSlot::strides, or for a permuted dynamic output the dense
+// strides of its `order` (size-1 dims get the stride of their place in it).
+// Empty: row-major.
+std::vector<int64_t> OutputStrides(const OutputSlot& o, std::span<const int64_t> sizes);
 
 // The op's returns: a new tensor (index into outputs) or an argument
 // returned as it is (in-place and out= ops).
