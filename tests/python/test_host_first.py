@@ -186,6 +186,7 @@ def test_inplace_and_chain(values):
 
 
 def test_not_a_cpu_fallback(values):
+    _, values = values
     assert values["fallbacks"] == {}
 
 
