@@ -202,9 +202,18 @@ out["poly"] = res
 
 @pytest.mark.full_tier  # two fresh processes or more: make test-full
 def test_poly_bucket_program_host_first():
-    on = run(POLY)["poly"]
+    # Each length is called once: N = 1 compiles every program at its first
+    # call, so the programs compiled match host-first off.
+    on = run(POLY, env={"TORCH_TPU_HOST_FIRST_COMPILE_AFTER": "1"})["poly"]
     off = run(POLY, env={"TORCH_TPU_HOST_FIRST": "0"})["poly"]
-    assert all(r["ok"] for r in on + off), (on, off)
+    default = run(POLY)["poly"]
+    assert all(r["ok"] for r in on + off + default), (on, off, default)
+    # The default (N = 2): an exact key or a bucket's key compiles at its
+    # second call, so the lengths called once compile fewer programs than
+    # host-first off, and every call is host-served or runs a program.
+    for r in default:
+        assert r["d"]["executions"] + r["d"]["host_served"] == 2, default
+    assert sum(r["d"]["compiles"] for r in default) < sum(r["d"]["compiles"] for r in off), (default, off)
     # The same programs compile with and without host-first (exact ones for
     # the first lengths, then buckets' programs); each compile's call is the
     # host-served one, every other call executes a program.
