@@ -141,6 +141,10 @@ def _run_child(kind: str, config: str) -> dict:
         env = dict(os.environ, TORCH_TPU_CACHE_DIR=cache, OMP_NUM_THREADS="1")
         if config.endswith("-host-first-off"):  # strict mode compiling before each first call (before)
             env["TORCH_TPU_HOST_FIRST"] = "0"
+        elif config.endswith("-after1"):  # host-first, compiling at a key's first call
+            env["TORCH_TPU_HOST_FIRST_COMPILE_AFTER"] = "1"
+        elif config != "cpu":  # the default, whatever the caller's environment
+            env["TORCH_TPU_HOST_FIRST_COMPILE_AFTER"] = "2"
         r = subprocess.run([sys.executable, __file__, "--child", f"{kind}:{config}"], env=env,
                            capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
@@ -148,8 +152,11 @@ def _run_child(kind: str, config: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _generate_table() -> None:
-    results = {c: _run_child("generate", c) for c in ("cpu", "strict", "strict-host-first-off", "fused")}
+GENERATE_ROWS = ("cpu", "strict", "strict-after1", "strict-host-first-off", "fused")
+
+
+def _generate_table(rows=GENERATE_ROWS) -> None:
+    results = {c: _run_child("generate", c) for c in rows}
     cpu = results["cpu"]
     print("(a)/(b) 24-token greedy generate(), 2-layer Llama hidden 64, prompt 8 then 12 tokens; "
           "fresh process and empty cache per row")
@@ -170,13 +177,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--only", choices=["generate", "lengths"], help="run one of the two tables")
+    p.add_argument("--rows", default=",".join(GENERATE_ROWS),
+                   help="(a)/(b) rows, comma-separated, 'cpu' first: cpu, strict (the default: "
+                        "TORCH_TPU_HOST_FIRST_COMPILE_AFTER=2), strict-after1 (=1), strict-host-first-off "
+                        "(TORCH_TPU_HOST_FIRST=0), fused")
     args = p.parse_args()
     if args.child:
         kind, config = args.child.split(":")
         print(json.dumps(_child_generate(config) if kind == "generate" else _child(config)))
         return
     if args.only != "lengths":
-        _generate_table()
+        rows = tuple(args.rows.split(","))
+        if rows[0] != "cpu" or any(r not in GENERATE_ROWS for r in rows):
+            p.error(f"--rows: 'cpu' first, then any of {', '.join(GENERATE_ROWS[1:])}; got {args.rows!r}")
+        _generate_table(rows)
     if args.only == "generate":
         return
     results = {c: _run_child("lengths", c) for c in ("cpu", "strict", "fused", "compile")}

@@ -9,10 +9,12 @@ skipped) once on tpu in strict mode, timing the call until its result is on
 the host, and once on CPU. Every sample is the first call of its op at that
 shape, so each tpu time includes the op's compile(s). The configurations run
 interleaved in rounds in the same invocation (side by side): the default
-(host-first calls: the first call of a program runs on the ATen CPU kernel
-while the program compiles on the background thread), TORCH_TPU_HOST_FIRST=0
-(the call waits for its compile: before), and that with XLA's default
-fusion emitters (before the single-op compile options).
+(host-first calls, TORCH_TPU_HOST_FIRST_COMPILE_AFTER=2: a key's first call
+runs on the ATen CPU kernel and compiles nothing), TORCH_TPU_HOST_FIRST_COMPILE_AFTER=1
+(the first call runs on the CPU kernel while the program compiles on the
+background thread), TORCH_TPU_HOST_FIRST=0 (the call waits for its compile:
+before), and that with XLA's default fusion emitters (before the single-op
+compile options).
 
 Printed: per configuration the median time to first result (ms), its split
 (compile = torch_tpu.metrics()["compile_time_s"] delta: meta kernel, program
@@ -37,9 +39,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Each configuration: environment variables of its processes (XLA_FLAGS is
 # appended to the caller's).
 CONFIGS = {
-    "default (host-first calls: served on the CPU while the program compiles)": {},
-    "TORCH_TPU_HOST_FIRST_COMPILE_AFTER=2 (a key seen once compiles nothing)": {
+    "default, TORCH_TPU_HOST_FIRST_COMPILE_AFTER=2 (host-first; a key seen once compiles nothing)": {
         "TORCH_TPU_HOST_FIRST_COMPILE_AFTER": "2"},
+    "TORCH_TPU_HOST_FIRST_COMPILE_AFTER=1 (host-first; served on the CPU while the program compiles)": {
+        "TORCH_TPU_HOST_FIRST_COMPILE_AFTER": "1"},
     "TORCH_TPU_HOST_FIRST=0 (compile first: before)": {"TORCH_TPU_HOST_FIRST": "0"},
     "TORCH_TPU_HOST_FIRST=0 + XLA defaults (fusion emitters on)": {
         "TORCH_TPU_HOST_FIRST": "0", "XLA_FLAGS": "--xla_cpu_use_fusion_emitters=true"},

@@ -1772,7 +1772,7 @@ int64_t HostFirstMaxBytes() {
 
 int64_t HostFirstCompileAfter() {
   static const int64_t after =
-      EnvInteger("TORCH_TPU_HOST_FIRST_COMPILE_AFTER", 1, 1, 1000000, "an integer in [1, 1000000]");
+      EnvInteger("TORCH_TPU_HOST_FIRST_COMPILE_AFTER", 2, 1, 1000000, "an integer in [1, 1000000]");
   return after;
 }
 

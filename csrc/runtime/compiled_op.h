@@ -281,8 +281,9 @@ std::unique_ptr<pjrt::Executable> CompileModule(const std::string& name, const s
 
 // Host-first calls (strict mode; DESIGN.md "Host-first calls"): a call
 // whose single-op program is neither in memory nor in the disk cache is
-// served by the ATen CPU kernel while its program compiles on a background
-// thread; later calls of the key wait for that compile.
+// served by the ATen CPU kernel; its program compiles on a background thread
+// from the key's HostFirstCompileAfter()-th call (default: the 2nd), strict
+// calls stay host-served until it is ready (with N = 1: later calls wait).
 // TORCH_TPU_HOST_FIRST=0 turns it off (default 1); throws
 // std::invalid_argument naming the variable for another value.
 bool HostFirstEnabled();
@@ -293,9 +294,9 @@ bool HostFirstEnabled();
 // variable for a value that is not a non-negative integer.
 int64_t HostFirstMaxBytes();
 // The call of a key on which its host-first program's compile is queued:
-// TORCH_TPU_HOST_FIRST_COMPILE_AFTER (an integer in [1, 1000000]; default 1:
-// on the first call, and every later call waits for that compile). N > 1:
-// the first N-1 calls are host-served without compiling anything (a key
+// TORCH_TPU_HOST_FIRST_COMPILE_AFTER (an integer in [1, 1000000]; default 2).
+// N = 1: on the first call, and every later call waits for that compile.
+// N > 1: the first N-1 calls are host-served without compiling anything (a key
 // used fewer than N times costs no compile at all), the N-th queues the
 // compile, and strict calls that qualify are host-served (never waiting)
 // until the executable is ready. Throws std::invalid_argument naming the
@@ -430,9 +431,11 @@ class OpCache {
   // `host_served` (the strict executor): where non-null, a miss whose call
   // qualifies for host-first serving (HostFirstEnabled; not a random op,
   // no out= argument, a CPU kernel, at most HostFirstMaxBytes, the program
-  // not in the disk cache) queues its compile on the background thread and
-  // sets *host_served: the op returned has no executable yet, the caller
-  // serves the call with ServeOnHost and must not Launch it. Every other
+  // not in the disk cache) sets *host_served, queueing its compile on the
+  // background thread at the key's HostFirstCompileAfter()-th call (N > 1:
+  // such calls of a queued key stay host-served until it is ready): the op
+  // returned has no executable yet, the caller serves the call with
+  // ServeOnHost and must not Launch it. Every other
   // return is ready to launch (a pending compile is waited for; its error
   // is raised here).
   std::shared_ptr<const CompiledOp> Lookup(const c10::OperatorHandle& op, const torch::jit::Stack& stack,

@@ -5,8 +5,9 @@
 //
 // Host-first calls (DESIGN.md "Host-first calls"): a call whose program is
 // not compiled yet (in memory or on disk) and that qualifies (OpCache::Lookup)
-// is served on the host by the ATen CPU kernel while its program compiles on
-// the background compile thread; the next call of the key waits for it.
+// is served on the host by the ATen CPU kernel; its program compiles on the
+// background compile thread from the key's TORCH_TPU_HOST_FIRST_COMPILE_AFTER-th
+// call (default 2), and strict calls stay host-served until it is ready.
 #include "runtime/compiled_op.h"
 #include "runtime/executor.h"
 

@@ -58,6 +58,17 @@ def no_cpu_fallback():
     assert not new, f"ops fell back to the CPU: {new}"
 
 
+def wait_for_compiles() -> None:
+    """Waits for the single-op compiles queued in the background (strict
+    mode's host-first calls; docs/design.md "Host-first calls"): after it,
+    the next strict call of a key whose compile was queued runs the device
+    program. By default (TORCH_TPU_HOST_FIRST_COMPILE_AFTER=2) a key's
+    compile is queued at its second call, so a test that needs the device
+    program (a value check raised at the sync point, executions per step)
+    calls the key twice, then this. torch_tpu.metrics() is what waits."""
+    torch_tpu.metrics()
+
+
 def run_python(code: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter (for start-up behaviour and env vars)."""
     full_env = dict(os.environ)

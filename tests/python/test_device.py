@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch_tpu
 
-from conftest import no_cpu_fallback, run_python
+from conftest import no_cpu_fallback, run_python, wait_for_compiles
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
           torch.int8, torch.uint8, torch.bool]
@@ -422,6 +422,9 @@ def test_using_the_output_of_an_asynchronously_failed_op_raises(mode):
     x = torch.arange(5.0).to("tpu")
     bad = torch.tensor([7]).to("tpu")
     with torch_tpu.eager_mode(mode):
+        for _ in range(2):  # strict: a key's first two calls run CPU's kernel (raising at the op)
+            assert (x[torch.tensor([3]).to("tpu")] * 2).cpu().tolist() == [6.0]
+        wait_for_compiles()  # the second call queued the compiles: the next calls run the programs
         y = x[bad]
         with pytest.raises(IndexError, match="aten::index.Tensor: index out of range"):
             y.cpu()

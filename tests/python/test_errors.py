@@ -21,6 +21,8 @@ import pytest
 import torch
 import torch_tpu
 
+from conftest import wait_for_compiles
+
 TPU = torch.device("tpu")
 MODES = ("strict", "debug", "fused")
 
@@ -141,8 +143,9 @@ CASES = {
 }
 
 # Checks whose values reach the device: strict mode serves a signature's first
-# call on the CPU kernel (host-first), so test_invalid_input_on_the_device
-# repeats each of these, the later calls running the device program.
+# two calls on the CPU kernel (host-first), so test_invalid_input_on_the_device
+# repeats each of these, the third call (after wait_for_compiles) running the
+# device program.
 DEVICE_CASES = {
     # bernoulli: a float p is checked before the call (CPU's message, with p);
     # a tensor p on its values (a value check, CPU's message)
@@ -265,14 +268,16 @@ def test_invalid_input(case, mode):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", sorted(DEVICE_CASES))
 def test_invalid_input_on_the_device(case, mode):
-    """The same invalid input three times: after strict mode's first call
-    (served on the CPU kernel while the program compiles), the device program
+    """The same invalid input three times: after strict mode's first two calls
+    (served on the CPU kernel; the second queues the compile), the device program
     (debug and fused: every call) must raise CPU's exception type and name the
     problem, from a value check on the device where the problem is in the
     values."""
     fn, args, regex = DEVICE_CASES[case]
-    for _ in range(3):
+    for _ in range(2):
         _check(fn, args, regex, mode)
+    wait_for_compiles()  # strict: the second call queued the compile
+    _check(fn, args, regex, mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -283,7 +288,7 @@ def test_value_check_surfaces_at_the_op_or_the_sync_point(mode):
     x, y = torch.tensor([7, -7, 5]), torch.tensor([2, 0, 1])
     tx, ty = x.to(TPU), y.to(TPU)
     with torch_tpu.eager_mode(mode):
-        for _ in range(2):  # strict: the second call runs the device program
+        for i in range(2):
             ok = (tx // torch.ones_like(ty)).cpu()
             torch.testing.assert_close(ok, x // torch.ones_like(y), rtol=0, atol=0)
             if mode == "debug":
@@ -292,8 +297,11 @@ def test_value_check_surfaces_at_the_op_or_the_sync_point(mode):
             else:
                 try:
                     r = tx // ty
-                except RuntimeError as e:  # strict's host-first call raises at once, as CPU
-                    assert "ZeroDivisionError" in str(e)
+                except RuntimeError as e:
+                    # strict: the key's first two calls (the good one above,
+                    # this one) run CPU's kernel, which raises at once, as CPU
+                    assert mode == "strict" and i == 0 and "ZeroDivisionError" in str(e), e
+                    wait_for_compiles()  # the second call queued the compile: the next runs the program
                     continue
                 with pytest.raises(RuntimeError, match=r"floor_divide.*ZeroDivisionError"):
                     r.cpu()
@@ -313,7 +321,9 @@ def test_valid_division_bernoulli_and_index_fill_still_compute(mode):
     x, y = torch.tensor([7, -7, 5, -3]), torch.tensor([2, 3, -1, -2])
     p = torch.tensor([0.0, 1.0, 1.0, 0.0])
     with torch_tpu.eager_mode(mode), no_cpu_fallback():
-        for _ in range(2):
+        for i in range(3):
+            if i == 2:
+                wait_for_compiles()  # strict: the first two calls ran CPU's kernel; this one the programs
             tx, ty = x.to(TPU), y.to(TPU)
             torch.testing.assert_close((tx // ty).cpu(), x // y, rtol=0, atol=0)
             torch.testing.assert_close((tx % ty).cpu(), x % y, rtol=0, atol=0)
@@ -493,10 +503,12 @@ def test_self_overlapping_write_runs_like_cpu(case, mode):
     fallback.cpp WritesOverlappingTensor/HasSelfOverlap, kernels.cpp copy_)
     runs on the CPU mirror: CPU's values where CPU computes (before: tpu
     wrote each element once, 2, 4, 6, ... for mul_), CPU's exception and
-    message where it raises. Twice, so that strict mode's second call (its
-    program, after the host-first one) is covered."""
+    message where it raises. Three times, so that strict mode's third call (its
+    program, after two host-served ones) is covered."""
     fn = SELF_OVERLAP[case]
-    for _ in range(2):
+    for i in range(3):
+        if i == 2:
+            wait_for_compiles()  # strict: the second call queued the compile; this one runs it
         cpu_in = torch.arange(1., 11.)
         try:
             fn(cpu_in)
@@ -584,10 +596,12 @@ def test_mask_assignment_like_cpu(case, mode):
     destination dtypes match" for x[m] = torch.tensor(3) into float32,
     where CPU converts; a uint8 mask with a one-element value was accepted;
     values of another dtype with long indices were converted where CPU
-    raises; 1000 into int8 saturated to 127). Twice: strict mode's second
-    call runs the device program."""
+    raises; 1000 into int8 saturated to 127). Three times: strict mode's
+    third call runs the device program (the first two run CPU's kernel)."""
     fn, dtype = MASK_ASSIGN[case]
-    for _ in range(2):
+    for i in range(3):
+        if i == 2:
+            wait_for_compiles()  # strict: the second call queued the compile; this one runs it
         cpu_in = torch.arange(6).to(dtype)
         try:
             fn(cpu_in, None)

@@ -1,20 +1,23 @@
 """Host-first calls in strict mode (docs/design.md, "Host-first calls").
 
 A call whose single-op program is neither in memory nor in the disk cache is
-served on the host by the ATen CPU kernel while its program compiles on the
-background compile thread; every later call of the key waits for that
-compile and runs on the device. Checked here, each in a fresh process with
-the disk cache off (TORCH_TPU_CACHE_DIR="": every program is new) or in a
-temporary directory:
+served on the host by the ATen CPU kernel. With the default
+TORCH_TPU_HOST_FIRST_COMPILE_AFTER=2 a key's first call compiles nothing,
+its second queues the compile on the background compile thread and is
+host-served too, and strict calls stay host-served until the executable is
+ready (torch_tpu.metrics() waits for queued compiles, so a call after it
+runs the device program). With TORCH_TPU_HOST_FIRST_COMPILE_AFTER=1 the
+first call queues the compile and every later call waits for it. Checked
+here, each in a fresh process with the disk cache off (TORCH_TPU_CACHE_DIR="":
+every program is new) or in a temporary directory:
 
-- values: the host-served first call and the device-run second call both
-  match CPU PyTorch on the same inputs (exact for integers and bool; floats
-  within torch.testing's float32 tolerance: the device program may round
-  differently in the last ulp);
-- counts: the first call is host-served (metrics()["host_served"] + 1, no
-  execution, one compile counted), the second executes its program with no
-  compile; results have the layout the device program gives (CPU's
-  strides), so a chain of ops compiles each key once;
+- values: the host-served calls and the device-run call all match CPU
+  PyTorch on the same inputs (exact for integers and bool; floats within
+  torch.testing's float32 tolerance: the device program may round
+  differently in the last ulp), with CPU's dtypes and strides;
+- counts, at the default and at N = 1: which calls are host-served, which
+  count the compile, which execute; results have the layout the device
+  program gives (CPU's strides), so a chain of ops compiles each key once;
 - shape-polymorphic programs: a bucket's program is host-first too, and the
   next length of the bucket runs it;
 - exclusions: random ops (the tpu generator's stream is the same with and
@@ -56,9 +59,15 @@ def cpu(t):
 
 
 def run(code: str, env: dict | None = None) -> dict:
+    """Runs PRELUDE + code in a fresh process (the disk cache off unless env
+    names one; TORCH_TPU_HOST_FIRST_COMPILE_AFTER at its default unless env
+    sets it) and returns its `out`."""
     full = {"TORCH_TPU_CACHE_DIR": ""}
     full.update(env or {})
-    r = run_python(PRELUDE + code + "\nprint('JSON' + json.dumps(out))\n", env=full, timeout=240)
+    code = PRELUDE + code + "\nprint('JSON' + json.dumps(out))\n"
+    if "TORCH_TPU_HOST_FIRST_COMPILE_AFTER" not in full:  # the default, whatever the caller's environment
+        code = "import os; os.environ.pop('TORCH_TPU_HOST_FIRST_COMPILE_AFTER', None)\n" + code
+    r = run_python(code, env=full, timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]
     line = [l for l in r.stdout.splitlines() if l.startswith("JSON")][-1]
     return json.loads(line[4:])
@@ -88,15 +97,20 @@ for name, (fn, kind) in cases.items():
         held["t"] = fn(X, Y, XI, YI)
         return cpu(held["t"])
     r1, d1 = delta(first_call)
-    t1 = fn(X, Y, XI, YI)  # second call: the device program
-    r2, d2 = delta(lambda: cpu(fn(X, Y, XI, YI)))
+    t1 = {}
+    def call():
+        t1["t"] = fn(X, Y, XI, YI)
+        return cpu(t1["t"])
+    r2, d2 = delta(call)  # second call (delta's metrics() waits for a queued compile)
+    s2 = list(t1["t"].stride())
+    r3, d3 = delta(call)  # third call: the device program at N = 1 and 2
+    rs = (r1, r2, r3)
     if kind == "int":
-        ok1, ok2 = torch.equal(r1, want), torch.equal(r2, want)
+        ok = [torch.equal(r, want) for r in rs]
     else:
-        ok1 = torch.allclose(r1, want, rtol=1.3e-6, atol=1e-5, equal_nan=True)
-        ok2 = torch.allclose(r2, want, rtol=1.3e-6, atol=1e-5, equal_nan=True)
-    out[name] = dict(first=d1, second=d2, ok1=ok1, ok2=ok2, dtype1=str(r1.dtype), dtype2=str(r2.dtype),
-                     want_dtype=str(want.dtype), strides=[list(held["t"].stride()), list(t1.stride()),
+        ok = [torch.allclose(r, want, rtol=1.3e-6, atol=1e-5, equal_nan=True) for r in rs]
+    out[name] = dict(first=d1, second=d2, third=d3, ok=ok, dtypes=[str(r.dtype) for r in rs],
+                     want_dtype=str(want.dtype), strides=[list(held["t"].stride()), s2, list(t1["t"].stride()),
                                                            list(want.stride())])
 # In-place: the written storage is uploaded back; a chain of ops compiles each key once.
 a = xf.clone(); A = a.to("tpu")
@@ -104,7 +118,10 @@ _, d_inplace1 = delta(lambda: A.add_(Y, alpha=2.0))
 a.add_(yf, alpha=2.0)
 _, d_inplace2 = delta(lambda: A.add_(Y, alpha=2.0))
 a.add_(yf, alpha=2.0)
-out["inplace"] = dict(first=d_inplace1, second=d_inplace2, ok=torch.allclose(A.cpu(), a, rtol=1.3e-6, atol=1e-5))
+_, d_inplace3 = delta(lambda: A.add_(Y, alpha=2.0))
+a.add_(yf, alpha=2.0)
+out["inplace"] = dict(first=d_inplace1, second=d_inplace2, third=d_inplace3,
+                      ok=torch.allclose(A.cpu(), a, rtol=1.3e-6, atol=1e-5))
 def chain(x):
     return ((x * 3 + 1).relu() - x).abs().sum()
 _, c1 = delta(lambda: chain(X).cpu())
@@ -117,43 +134,59 @@ out["fallbacks"] = {k: v - fb0.get(k, 0) for k, v in fb1.items() if v != fb0.get
 """
 
 
-@pytest.fixture(scope="module")
-def values():
-    return run(VALUES)
+# "2": the default (TORCH_TPU_HOST_FIRST_COMPILE_AFTER unset); "1": compile at the first call.
+@pytest.fixture(scope="module", params=["2", "1"], ids=["default_after2", "after1"])
+def values(request):
+    env = {} if request.param == "2" else {"TORCH_TPU_HOST_FIRST_COMPILE_AFTER": "1"}
+    return request.param, run(VALUES, env)
 
 
 CASES = ["add", "exp", "sum_dim", "t_add", "mul_int", "floordiv_int", "lt_bool", "where"]
 
 
+def expected_counts(after: str, k: int) -> list:
+    """metrics() deltas of a key's first three calls (k ops per call), each
+    read after metrics() waited for queued compiles."""
+    host = {"host_served": k, "executions": 0, "compiles": 0}
+    device = {"host_served": 0, "executions": k, "compiles": 0}
+    if after == "1":  # call 1 host-served and counts the compile; calls 2, 3 wait for it
+        return [dict(host, compiles=k), device, device]
+    # call 1 host-served, compiles nothing; call 2 queues (counts) the compile
+    # and is host-served (the executable cannot be ready when it is queued);
+    # call 3 comes after metrics() waited for it: the device program.
+    return [host, dict(host, compiles=k), device]
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_first_call_host_served_then_device(values, name):
+def test_first_calls_host_served_then_device(values, name):
+    after, values = values
     r = values[name]
-    assert r["ok1"] and r["ok2"], r
-    assert r["dtype1"] == r["dtype2"] == r["want_dtype"]
-    # First call: served on the host (one call per op), each op's compile
-    # counted, nothing executed; second call: the compiled programs run.
-    first, second = r["first"], r["second"]
-    assert first["host_served"] == first["compiles"] >= 1 and first["executions"] == 0, r
-    assert second == {"host_served": 0, "executions": first["host_served"], "compiles": 0}, r
-    # Both calls give CPU's strides (a.t() + 1.5 keeps the transposed layout).
-    assert r["strides"][0] == r["strides"][1] == r["strides"][2], r
+    assert all(r["ok"]), r
+    assert r["dtypes"] == [r["want_dtype"]] * 3, r
+    k = r["first"]["host_served"]
+    assert k >= 1, r
+    assert [r["first"], r["second"], r["third"]] == expected_counts(after, k), r
+    # Every call gives CPU's strides (a.t() + 1.5 keeps the transposed layout).
+    assert r["strides"][0] == r["strides"][1] == r["strides"][2] == r["strides"][3], r
 
 
 def test_inplace_and_chain(values):
+    after, values = values
     r = values["inplace"]
     assert r["ok"]
-    assert r["first"] == {"host_served": 1, "executions": 0, "compiles": 1}, r
-    assert r["second"] == {"host_served": 0, "executions": 1, "compiles": 0}, r
+    assert [r["first"], r["second"], r["third"]] == expected_counts(after, 1), r
     c = values["chain"]
     assert c["ok"]
-    assert c["first"]["host_served"] == c["first"]["compiles"] > 0 and c["first"]["executions"] == 0, c
-    # Host-served results have the device program's layout: the second pass
-    # sees the same keys, so it compiles nothing and serves nothing on the host.
-    assert c["second"]["compiles"] == 0 and c["second"]["host_served"] == 0, c
-    assert c["third"] == c["second"], c
+    k = c["first"]["host_served"]
+    assert k >= 1, c
+    # Host-served results have the device program's layout: every pass sees
+    # the same k keys (a new key would be host-served without its compile, or
+    # compile on a later pass).
+    assert [c["first"], c["second"], c["third"]] == expected_counts(after, k), c
 
 
 def test_not_a_cpu_fallback(values):
+    _, values = values
     assert values["fallbacks"] == {}
 
 
@@ -169,9 +202,18 @@ out["poly"] = res
 
 @pytest.mark.full_tier  # two fresh processes or more: make test-full
 def test_poly_bucket_program_host_first():
-    on = run(POLY)["poly"]
+    # Each length is called once: N = 1 compiles every program at its first
+    # call, so the programs compiled match host-first off.
+    on = run(POLY, env={"TORCH_TPU_HOST_FIRST_COMPILE_AFTER": "1"})["poly"]
     off = run(POLY, env={"TORCH_TPU_HOST_FIRST": "0"})["poly"]
-    assert all(r["ok"] for r in on + off), (on, off)
+    default = run(POLY)["poly"]
+    assert all(r["ok"] for r in on + off + default), (on, off, default)
+    # The default (N = 2): an exact key or a bucket's key compiles at its
+    # second call, so the lengths called once compile fewer programs than
+    # host-first off, and every call is host-served or runs a program.
+    for r in default:
+        assert r["d"]["executions"] + r["d"]["host_served"] == 2, default
+    assert sum(r["d"]["compiles"] for r in default) < sum(r["d"]["compiles"] for r in off), (default, off)
     # The same programs compile with and without host-first (exact ones for
     # the first lengths, then buckets' programs); each compile's call is the
     # host-served one, every other call executes a program.
@@ -224,16 +266,21 @@ def test_big_calls_compile_synchronously():
 @pytest.mark.full_tier  # two fresh processes or more: make test-full
 def test_programs_on_disk_run_on_the_device(tmp_path):
     code = r"""
+import os
 X = torch.arange(12.0).reshape(3, 4).to("tpu")
-r, d = delta(lambda: (X * 2 - 1).cpu())
+def calls():
+    return [(X * 2 - 1).cpu() for _ in range(int(os.environ["CALLS"]))]
+r, d = delta(calls)
 out["d"] = d
-out["ok"] = torch.equal(r, torch.arange(12.0).reshape(3, 4) * 2 - 1)
+out["ok"] = all(torch.equal(v, torch.arange(12.0).reshape(3, 4) * 2 - 1) for v in r)
 """
     env = {"TORCH_TPU_CACHE_DIR": str(tmp_path)}
-    first = run(code, env)  # exit waits for the background compiles (they write the cache)
-    second = run(code, env)
+    # Two calls (the default compiles a key at its second call); exit waits
+    # for the background compiles (they write the cache).
+    first = run(code, dict(env, CALLS="2"))
+    second = run(code, dict(env, CALLS="1"))
     assert first["ok"] and second["ok"]
-    assert first["d"]["host_served"] == 2, first
+    assert first["d"] == {"host_served": 4, "executions": 0, "compiles": 2}, first
     assert second["d"] == {"host_served": 0, "executions": 2, "compiles": 2}, second
 
 
@@ -262,31 +309,64 @@ def test_switched_off():
 ERRORS = r"""
 X = torch.randn(4, 3).to("tpu")
 bad = torch.tensor([0, 7]).to("tpu")
+good = torch.tensor([3, 1]).to("tpu")
+I = torch.tensor([7, -7, 5]).to("tpu"); Z = torch.tensor([2, 0, 1]).to("tpu")
 torch.tpu.synchronize()
-try:
-    torch.index_select(X, 0, bad)
-    out["raised"] = None
-except Exception as e:
-    out["raised"] = type(e).__name__
-    out["message"] = str(e)
+def first_line(e):
+    return [type(e).__name__, str(e).split("\n")[0]]
+def where_raised(fn):
+    # ["op", type, message]: the call raised; ["sync", ...]: reading its result did
+    try:
+        r = fn()
+    except Exception as e:
+        return ["op"] + first_line(e)
+    try:
+        r.cpu()
+    except Exception as e:
+        return ["sync"] + first_line(e)
+    return None
 try:
     torch.index_select(torch.randn(4, 3), 0, torch.tensor([0, 7]))
 except Exception as e:
-    out["cpu_raised"] = type(e).__name__
-    out["cpu_message"] = str(e)
-good = torch.tensor([3, 1]).to("tpu")
+    out["cpu_index"] = first_line(e)
+try:
+    torch.tensor([7, -7, 5]) // torch.tensor([2, 0, 1])
+except Exception as e:
+    out["cpu_floordiv"] = first_line(e)
+# index_select's key: call 1 (bad) and call 2 (good) host-served, then the
+# device program (after metrics() waited for the compile call 2 queued).
+out["index_bad1"] = where_raised(lambda: torch.index_select(X, 0, bad))
 r, d = delta(lambda: torch.index_select(X, 0, good).cpu())
 out["good"] = torch.equal(r, torch.index_select(X.cpu(), 0, torch.tensor([3, 1])))
 out["good_d"] = d
+out["index_bad3"] = where_raised(lambda: torch.index_select(X, 0, bad))
+# Integer division by zero (a value check in the program): calls 1 and 2 on
+# the CPU kernel, call 3 on the device.
+out["floordiv"] = [where_raised(lambda: I // Z), where_raised(lambda: I // Z)]
+torch_tpu.metrics()
+out["floordiv"].append(where_raised(lambda: I // Z))
+r, d = delta(lambda: (I // (Z + 1)).cpu())
+out["floordiv_after"] = dict(ok=torch.equal(r, torch.tensor([7, -7, 5]) // torch.tensor([3, 1, 2])), d=d)
 """
 
 
 def test_cpu_errors_surface_at_the_op():
+    """Host-served calls raise CPU's exception at the op (CPU's kernel runs);
+    the device program raises a value check's error at the next sync point
+    with CPU's exception type (docs/op_coverage.md, value checks)."""
     r = run(ERRORS)
-    assert r["raised"] == r["cpu_raised"] and r["raised"] is not None, r
-    assert r["message"].split("\n")[0] == r["cpu_message"].split("\n")[0], r
-    # The program compiled for the failing call's key serves the next call.
-    assert r["good"] and r["good_d"]["compiles"] == 0 and r["good_d"]["host_served"] == 0, r
+    assert r["index_bad1"] == ["op"] + r["cpu_index"], r
+    # The failing call was the key's first: the good call is its second
+    # (host-served, queues the compile), values CPU's.
+    assert r["good"] and r["good_d"] == {"host_served": 1, "executions": 0, "compiles": 1}, r
+    assert r["index_bad3"][0] == "sync" and r["index_bad3"][1] == r["cpu_index"][0], r
+    f = r["floordiv"]
+    assert f[0] == f[1] == ["op"] + r["cpu_floordiv"], r
+    assert f[2][0] == "sync" and f[2][1] == r["cpu_floordiv"][0] and "ZeroDivisionError" in f[2][2], r
+    assert "floor_divide" in f[2][2], r  # names the op
+    # Z + 1: a new key (host-served); the division's key runs its program.
+    a = r["floordiv_after"]
+    assert a["ok"] and a["d"] == {"host_served": 1, "executions": 1, "compiles": 0}, r
 
 
 @pytest.mark.full_tier

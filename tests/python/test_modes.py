@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch_tpu
 
-from conftest import run_python
+from conftest import run_python, wait_for_compiles
 
 
 def test_default_mode_is_strict():
@@ -136,11 +136,14 @@ def test_out_of_range_index_raises_at_sync_point(mode, call, request):
     w = torch.randn(5, 3, device="tpu")
     bad = torch.tensor([0, 7], device="tpu")
     error = RuntimeError if "gather" in request.node.name else IndexError
+    ok = torch.tensor([0, 4], device="tpu")
     with torch_tpu.eager_mode(mode):
+        for _ in range(2):  # strict: a key's first two calls run CPU's kernel (raising at the op)
+            torch.testing.assert_close(call(w, ok).cpu(), call(w.cpu(), ok.cpu()))
+        wait_for_compiles()  # the second call queued the compile: the bad call runs the program
         result = call(w, bad)
         with pytest.raises(error, match="aten::.*out of range"):
             result.cpu()
-        ok = torch.tensor([0, 4], device="tpu")
         torch.testing.assert_close(call(w, ok).cpu(), call(w.cpu(), ok.cpu()))
 
 
@@ -178,14 +181,19 @@ def test_inplace_write_donates_its_buffer(mode):
     y_cpu = torch.randn(1000)
     with torch_tpu.eager_mode(mode):
         x, y = x_cpu.to("tpu"), y_cpu.to("tpu")
+        ref = x_cpu.clone()
 
         def update():
             x.mul_(2).add_(y, alpha=0.5)
+            ref.mul_(2).add_(y_cpu, alpha=0.5)
+        for _ in range(2):  # strict: a key's first two calls run CPU's kernel (nothing donated)
+            update()
+        wait_for_compiles()  # the second call queued the compiles: the next runs the programs
         if mode == "debug":  # keeps every input buffer to check the op's NaN/Inf against its inputs
             assert _donated(update) == 0
         else:
             assert _donated(update) >= 1
-        torch.testing.assert_close(x.cpu(), x_cpu * 2 + y_cpu * 0.5)
+        torch.testing.assert_close(x.cpu(), ref)
         torch.testing.assert_close(y.cpu(), y_cpu)  # read, not donated
 
 
@@ -218,10 +226,15 @@ def test_optimizer_step_donates_parameters_and_states():
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     x = torch.randn(16, 32)
     for m, o, inp in ((model, opt, x.to("tpu")), (ref, ref_opt, x)):
-        for _ in range(3):
+        for step in range(4):
             o.zero_grad()
             m(inp).square().mean().backward()
-            if m is model:
+            if m is model and step >= 2:
+                # Steps 1 and 2 warm the programs (strict: a key's first two
+                # calls run CPU's kernel, donating nothing; the second queues
+                # its compile); from step 3 on the programs run.
+                if step == 2:
+                    wait_for_compiles()
                 assert _donated(o.step) >= 4  # 2 parameters and their exp_avg, exp_avg_sq at least
             else:
                 o.step()

@@ -21,7 +21,10 @@ def maps():
 def _run(body: str, limit: str | None, mode: str = "strict") -> dict:
     # Exact-shape programs only: these tests make many distinct programs from
     # many lengths, which shape-polymorphic programs would share (buckets).
-    env = {"TORCH_TPU_CACHE_DIR": "", "TORCH_TPU_EAGER_MODE": mode, "TORCH_TPU_SHAPE_POLY": "0"}
+    # Each program is called once: TORCH_TPU_HOST_FIRST_COMPILE_AFTER=1 compiles
+    # it at that call (the default, 2, would compile none of them).
+    env = {"TORCH_TPU_CACHE_DIR": "", "TORCH_TPU_EAGER_MODE": mode, "TORCH_TPU_SHAPE_POLY": "0",
+           "TORCH_TPU_HOST_FIRST_COMPILE_AFTER": "1"}
     if limit is not None:
         env["TORCH_TPU_MAX_CACHED_EXECUTABLES"] = limit
     r = run_python(_PRELUDE + body, env=env, timeout=600)

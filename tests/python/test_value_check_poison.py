@@ -16,12 +16,15 @@ import torch
 import torch.nn.functional as F
 import torch_tpu
 
+from conftest import wait_for_compiles
+
 TPU = torch.device("tpu")
 MODES = ("strict", "fused", "debug")
 
 # name: (fn, good args, bad args, message regex). Tensors move to tpu; the
-# good call runs first (strict serves a signature's first call on the CPU
-# kernel, host-first: the bad call then runs the device program).
+# good call runs first, twice (strict serves a signature's first two calls on
+# the CPU kernel, host-first; after wait_for_compiles the bad call runs the
+# device program).
 CASES = {
     "floor_divide_zero": (lambda a, b: a // b, [torch.tensor([4, 5]), torch.tensor([2, 1])],
                           [torch.tensor([4, 5]), torch.tensor([0, 1])], r"floor_divide.*ZeroDivisionError"),
@@ -76,8 +79,10 @@ def test_poisoned_result_raises_at_every_read(case, mode):
     cpu = _cpu_error(fn, bad)
     kind = type(cpu)
     with torch_tpu.eager_mode(mode):
-        _exact(fn(*_tpu(good)), fn(*good))  # the device program, warmed
-        _exact(fn(*_tpu(good)), fn(*good))
+        for _ in range(2):  # the device programs of fn and of `c * 2` below, warmed
+            _exact(fn(*_tpu(good)), fn(*good))
+            _exact(fn(*_tpu(good)) * 2, fn(*good) * 2)
+        wait_for_compiles()  # strict: the second calls queued the compiles; the next calls run the programs
         if mode == "debug":  # at the op, as CPU
             with pytest.raises(kind, match=regex):
                 fn(*_tpu(bad))
@@ -122,6 +127,7 @@ def test_inplace_and_out_are_poisoned(mode):
             o = torch.empty(3, dtype=torch.long, device=TPU)
             torch.floor_divide(a.to(TPU), (b + 1).to(TPU), out=o)
             _exact(o, a // (b + 1))
+        wait_for_compiles()  # strict: the second call queued the compile; the next call runs the program
         ta = a.to(TPU)
         if mode == "debug":  # raised at the op; nothing written, as CPU
             with pytest.raises(RuntimeError, match=regex):
@@ -161,6 +167,7 @@ def test_overwrite_by_a_program_clears_the_poison(mode):
     with torch_tpu.eager_mode(mode):
         for _ in range(2):
             _exact(a.to(TPU) // (b + 1).to(TPU), a // (b + 1))
+        wait_for_compiles()  # strict: the second call queued the compile; the next call runs the program
         c = a.to(TPU) // b.to(TPU)
         with pytest.raises(RuntimeError, match="ZeroDivisionError"):
             c.cpu()
@@ -178,6 +185,7 @@ def test_poison_crosses_modes():
     with torch_tpu.eager_mode("strict"):
         for _ in range(2):
             _exact(a.to(TPU) // (b + 1).to(TPU), a // (b + 1))
+        wait_for_compiles()  # strict: the second call queued the compile; the next call runs the program
         c = a.to(TPU) // b.to(TPU)
         with pytest.raises(RuntimeError, match=regex):
             torch.tpu.synchronize()
@@ -202,6 +210,7 @@ def test_error_surfaces_at_an_unrelated_sync_point(mode):
     with torch_tpu.eager_mode(mode):
         for _ in range(2):
             _exact(a.to(TPU) // (b + 1).to(TPU), a // (b + 1))
+        wait_for_compiles()  # strict: the second call queued the compile; the next call runs the program
         ta = a.to(TPU)
         d = ta // b.to(TPU)
         e = ta * 3
@@ -219,7 +228,9 @@ def test_clean_programs_carry_no_checks(mode):
     read does no extra transfer of flags (the state is resolved once)."""
     a, b = torch.tensor([4, 5, 6]), torch.tensor([2, 1, 3])
     with torch_tpu.eager_mode(mode):
-        for _ in range(2):
+        for i in range(3):
+            if i == 2:
+                wait_for_compiles()  # strict: calls 1, 2 ran CPU's kernel; the third the programs
             c = a.to(TPU) // b.to(TPU)
             d = c + 1
             _exact(c, a // b)
