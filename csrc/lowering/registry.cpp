@@ -1,5 +1,6 @@
 #include <mutex>
 #include <unordered_map>
+#include <optional>
 #include <unordered_set>
 
 #include "lowering/lowering.h"
@@ -110,7 +111,29 @@ bool Float8Supported(const LoweringEntry& entry, const LoweringContext& ctx) {
   static const std::unordered_set<std::string_view> kFloat8Ops = {
       "copy",  "clone", "_to_copy",     "zero",        "fill", "alias_copy", "view_copy", "full",
       "full_like", "scalar_tensor", "cat", "stack", "index_select", "index",     "where"};
-  if (kFloat8Ops.count(entry.name)) return true;
+  if (kFloat8Ops.count(entry.name)) {
+    // PyTorch does not promote a float8 type with another ("Promotion for
+    // Float8 Types is not supported"): a cat/stack/where mixing float8 with
+    // another data type runs on the CPU, which raises that (bool conditions
+    // aside).
+    static const std::unordered_set<std::string_view> kNoPromotion = {"cat", "stack", "where"};
+    if (!kNoPromotion.count(entry.name)) return true;
+    std::optional<hlo::ElementType> seen;
+    bool float8 = false, mixed = false;
+    auto see = [&](hlo::ElementType e) {
+      if (e == hlo::ElementType::kPred) return;
+      float8 |= hlo::IsFloat8(e);
+      mixed |= seen && *seen != e;
+      seen = e;
+    };
+    for (const auto& a : ctx.args) {
+      if (a.kind == LoweredArg::Kind::kTensor) see(a.value.element());
+      for (size_t j = 0; j < a.list.size(); ++j)
+        if (a.present[j]) see(a.list[j].element());
+    }
+    for (const auto& o : ctx.outputs) see(ToElementType(o.dtype));
+    return !(float8 && mixed);
+  }
   for (const auto& o : ctx.outputs)
     if (hlo::IsFloat8(ToElementType(o.dtype))) return false;
   for (const auto& a : ctx.args) {

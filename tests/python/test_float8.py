@@ -327,3 +327,30 @@ def test_same_bits_from_a_warm_executable_cache(tmp_path):
     for _ in range(2):
         r = run_python(code, env=env, timeout=300)
         assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", F8, ids=F8_IDS)
+def test_no_promotion_with_other_dtypes_like_cpu(dtype):
+    # CPU: "Promotion for Float8 Types is not supported" for a float8 beside
+    # another dtype; a Python scalar converts to the float8 type.
+    x = _sample(dtype, 4)
+    f = torch.randn(4)
+    t, u = x.to("tpu"), f.to("tpu")
+    cond = f > 0
+    for fn in (lambda a, b: torch.cat([a, b]), lambda a, b: torch.stack([a, b]),
+               lambda a, b: torch.where(cond.to(a.device), a, b), lambda a, b: torch.cat([a, b.to(torch.bfloat16)])):
+        with pytest.raises(RuntimeError, match="Promotion for Float8 Types is not supported"):
+            fn(x, f)
+        with pytest.raises(RuntimeError, match="Promotion for Float8 Types is not supported"):
+            fn(t, u)
+    # (Out-of-range values differ: CPU's where casts the value unchecked,
+    # e5m2 -> inf; tpu raises "cannot be converted", as it does for
+    # float16/bfloat16.)
+    for v in (1.0, 0.3, 2.0, 3.0, 200.0):
+        try:
+            c = torch.where(cond, x, v)
+        except RuntimeError as e:
+            with pytest.raises(type(e)):
+                torch.where(cond.to("tpu"), t, v)
+            continue
+        _same(torch.where(cond.to("tpu"), t, v), c)
