@@ -740,6 +740,11 @@ void CheckScalarFitsLikeCpu(const c10::Scalar& value, at::ScalarType dtype) {
       AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND3(at::kBool, at::kHalf, at::kBFloat16, dtype, "fill_",
                                              [&] { (void)value.to<scalar_t>(); });
       return;
+    case at::kFloat8_e5m2: (void)value.to<c10::Float8_e5m2>(); return;
+    case at::kFloat8_e4m3fn: (void)value.to<c10::Float8_e4m3fn>(); return;
+    case at::kFloat8_e5m2fnuz: (void)value.to<c10::Float8_e5m2fnuz>(); return;
+    case at::kFloat8_e4m3fnuz: (void)value.to<c10::Float8_e4m3fnuz>(); return;
+    case at::kFloat8_e8m0fnu: (void)value.to<c10::Float8_e8m0fnu>(); return;
     default:
       return;  // other dtypes: as the lowering converts
   }

@@ -64,6 +64,9 @@ std::string ScalarLiteral(ElementType t, double value) {
       return buf;
     }
     default: {
+      if (IsFloat8(t))
+        throw BuildError(std::string("constant of type ") + std::string(MlirName(t)) +
+                         ": float8 rounding is the caller's (use ConstantBits)");
       if (IsUnsignedInteger(t)) return std::to_string(static_cast<uint64_t>(value));
       return std::to_string(static_cast<int64_t>(value));
     }
@@ -128,13 +131,22 @@ std::string_view MlirName(ElementType t) {
     case ElementType::kF64: return "f64";
     case ElementType::kC64: return "complex<f32>";
     case ElementType::kC128: return "complex<f64>";
+    case ElementType::kF8E5M2: return "f8E5M2";
+    case ElementType::kF8E4M3FN: return "f8E4M3FN";
+    case ElementType::kF8E5M2FNUZ: return "f8E5M2FNUZ";
+    case ElementType::kF8E4M3FNUZ: return "f8E4M3FNUZ";
+    case ElementType::kF8E8M0FNU: return "f8E8M0FNU";
   }
   return "?";
 }
 
+bool IsFloat8(ElementType t) {
+  return t == ElementType::kF8E5M2 || t == ElementType::kF8E4M3FN || t == ElementType::kF8E5M2FNUZ ||
+         t == ElementType::kF8E4M3FNUZ || t == ElementType::kF8E8M0FNU;
+}
 bool IsFloating(ElementType t) {
   return t == ElementType::kF16 || t == ElementType::kBF16 || t == ElementType::kF32 ||
-         t == ElementType::kF64;
+         t == ElementType::kF64 || IsFloat8(t);
 }
 bool IsComplex(ElementType t) { return t == ElementType::kC64 || t == ElementType::kC128; }
 ElementType ComplexPart(ElementType t) {
@@ -159,6 +171,8 @@ int BitWidth(ElementType t) {
   switch (t) {
     case ElementType::kPred: return 1;
     case ElementType::kS8: case ElementType::kU8: return 8;
+    case ElementType::kF8E5M2: case ElementType::kF8E4M3FN: case ElementType::kF8E5M2FNUZ:
+    case ElementType::kF8E4M3FNUZ: case ElementType::kF8E8M0FNU: return 8;
     case ElementType::kS16: case ElementType::kU16: case ElementType::kF16: case ElementType::kBF16: return 16;
     case ElementType::kS32: case ElementType::kU32: case ElementType::kF32: return 32;
     case ElementType::kS64: case ElementType::kU64: case ElementType::kF64: case ElementType::kC64: return 64;
@@ -348,6 +362,15 @@ std::vector<Value> Builder::Op(std::string_view name, std::span<const Value> ope
 
 Value Builder::Constant(const TensorType& type, double value) {
   std::string attr = "value = dense<" + ScalarLiteral(type.element, value) + "> : " + type.ToString();
+  return Emit1("stablehlo.constant", {}, type, attr);
+}
+
+Value Builder::ConstantBits(const TensorType& type, uint64_t bits) {
+  if (!IsFloating(type.element))
+    throw BuildError(std::string("ConstantBits: ") + std::string(MlirName(type.element)) + " is not a floating type");
+  const int width = BitWidth(type.element);
+  if (width < 64) bits &= (uint64_t{1} << width) - 1;
+  std::string attr = "value = dense<" + Hex(bits, width / 4) + "> : " + type.ToString();
   return Emit1("stablehlo.constant", {}, type, attr);
 }
 

@@ -17,14 +17,18 @@
 
 namespace torch_tpu::hlo {
 
-// Element types of StableHLO tensors (a subset of PJRT_Buffer_Type's).
+// Element types of StableHLO tensors (a subset of PJRT_Buffer_Type's). The
+// float8 types are StableHLO's f8E5M2, f8E4M3FN, f8E5M2FNUZ, f8E4M3FNUZ and
+// f8E8M0FNU (1 byte each; formats as in the StableHLO spec / ml_dtypes).
 enum class ElementType : uint8_t {
   kPred, kS8, kS16, kS32, kS64, kU8, kU16, kU32, kU64,
   kF16, kBF16, kF32, kF64, kC64, kC128,
+  kF8E5M2, kF8E4M3FN, kF8E5M2FNUZ, kF8E4M3FNUZ, kF8E8M0FNU,
 };
 
-std::string_view MlirName(ElementType t);  // "i1", "f32", "ui8", "complex<f32>", ...
-bool IsFloating(ElementType t);            // f16, bf16, f32, f64
+std::string_view MlirName(ElementType t);  // "i1", "f32", "ui8", "complex<f32>", "f8E4M3FN", ...
+bool IsFloating(ElementType t);            // f16, bf16, f32, f64 and the float8 types
+bool IsFloat8(ElementType t);              // the five float8 types
 bool IsComplex(ElementType t);
 bool IsSignedInteger(ElementType t);       // s8..s64
 bool IsUnsignedInteger(ElementType t);     // u8..u64 (not pred)
@@ -125,8 +129,13 @@ class Builder {
 
   // --- constants and shapes -------------------------------------------
   // 0-d or splat constant; value is converted to `type.element` (floats via
-  // their exact bit pattern, so NaN and Inf are representable).
+  // their exact bit pattern, so NaN and Inf are representable). Float8
+  // types throw BuildError: their rounding is the caller's (ConstantBits).
   Value Constant(const TensorType& type, double value);
+  // 0-d or splat constant of a floating type given as its bit pattern
+  // (the low BitWidth(type.element) bits of `bits`); BuildError for
+  // non-floating types.
+  Value ConstantBits(const TensorType& type, uint64_t bits);
   Value ConstantInt(const TensorType& type, int64_t value);
   Value ScalarConstant(ElementType t, double value) { return Constant({t, {}}, value); }
   Value ConstantI64Vector(std::span<const int64_t> values);  // tensor<Nxi64>

@@ -1,5 +1,11 @@
 #include "lowering/helpers.h"
 
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e4m3fnuz.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Float8_e5m2fnuz.h>
+#include <c10/util/Float8_e8m0fnu.h>
+
 #include <algorithm>
 #include <numeric>
 
@@ -47,8 +53,135 @@ Value BroadcastTo(Builder& b, const Value& v, std::span<const int64_t> dims) {
   return b.BroadcastInDim(r, dims, bdims);
 }
 
+namespace {
+// --- float8 casts -------------------------------------------------------
+// PyTorch converts to and from a float8 type through float (c10's
+// Float8_* constructors take a float; operator float() gives the value),
+// so every cast into float8 first goes to f32 and every cast out of one
+// starts with the exact f32 value (XLA's widening convert, exact). The f32 <-> f8 steps reproduce c10's
+// bits (torch/headeronly/util/Float8_*.h); tests/python/test_float8.py
+// compares them bit for bit with CPU over every bf16/f16 pattern and the
+// f32 values around every float8 rounding boundary.
+
+Value U32Const(Builder& b, uint32_t bits, std::span<const int64_t> dims) {
+  return Const(b, ElementType::kU32, static_cast<double>(bits), dims);
+}
+
+Value S32Const(Builder& b, int32_t v, std::span<const int64_t> dims) {
+  return Const(b, ElementType::kS32, static_cast<double>(v), dims);
+}
+
+// f32 -> float8 with c10's rounding, computed on the f32 bits with integer
+// ops only (no float arithmetic, so no flush-to-zero, and no XLA convert to
+// a float8 type: the XLA CPU plugin's f32 -> f8E5M2 convert rounds twice,
+// through f16, in executables loaded from the disk cache, e.g. -45055.996f
+// gave 0xfa where c10 gives 0xf9). Round to nearest even everywhere, into
+// the subnormals too. Out of range and specials, as c10 does
+// (torch/headeronly/util/Float8_*.h):
+//   e5m2:     finite overflow and +-inf -> +-inf, NaN -> 0x7f | sign;
+//   e4m3fn:   finite overflow and +-inf saturate to +-448, NaN -> 0x7f | sign;
+//   e5m2fnuz, e4m3fnuz: overflow, +-inf and NaN -> 0x80 (their NaN); a
+//             result of zero is +0 (they have no -0);
+//   e8m0fnu:  the exponent of |x| rounded by the guard/round/sticky bits
+//             (sign ignored), NaN and +-inf -> 0xff (c10's
+//             fp8e8m0fnu_from_fp32_value).
+Value F32ToFloat8(Builder& b, const Value& x, ElementType to) {
+  const auto& d = x.dims();
+  auto u32 = [&](uint32_t v) { return U32Const(b, v, d); };
+  auto s32 = [&](int32_t v) { return S32Const(b, v, d); };
+  auto shr = [&](const Value& v, const Value& n) { return b.Binary("stablehlo.shift_right_logical", v, n); };
+  auto shl = [&](const Value& v, const Value& n) { return b.Binary("stablehlo.shift_left", v, n); };
+  using hlo::CompareDirection;
+  Value bits = b.BitcastConvert(x, ElementType::kU32);
+  Value exponent = b.And(shr(bits, u32(23)), u32(0xFF));
+  if (to == ElementType::kF8E8M0FNU) {
+    auto set = [&](uint32_t mask) { return b.Compare(b.And(bits, u32(mask)), u32(0), CompareDirection::kNE); };
+    Value g = set(0x400000), r = set(0x200000), s = set(0x1FFFFF);
+    Value lsb = b.Compare(exponent, u32(0), CompareDirection::kNE);
+    Value up = b.And(g, b.Or(b.Or(r, s), lsb));
+    Value is_special = b.Compare(exponent, u32(0xFF), CompareDirection::kEQ);
+    Value rounded = b.Select(b.And(up, b.Not(is_special)), b.Add(exponent, u32(1)), exponent);
+    return b.BitcastConvert(b.Convert(rounded, ElementType::kU8), to);
+  }
+  struct Format {
+    int mantissa, bias;
+    uint32_t max_finite, overflow, nan;
+    bool fnuz;
+  };
+  Format f{};
+  switch (to) {
+    case ElementType::kF8E5M2: f = {2, 15, 0x7B, 0x7C, 0x7F, false}; break;
+    case ElementType::kF8E4M3FN: f = {3, 7, 0x7E, 0x7E, 0x7F, false}; break;
+    case ElementType::kF8E5M2FNUZ: f = {2, 16, 0x7F, 0x80, 0x80, true}; break;
+    case ElementType::kF8E4M3FNUZ: f = {3, 8, 0x7F, 0x80, 0x80, true}; break;
+    default: throw LoweringError("F32ToFloat8: not a float8 type");
+  }
+  Value magnitude_bits = b.And(bits, u32(0x7FFFFFFF));
+  Value sign = b.And(shr(bits, u32(24)), u32(0x80));
+  Value is_nan = b.Compare(magnitude_bits, u32(0x7F800000), CompareDirection::kGT);
+  // Significand with its implicit bit (f32 subnormals: none, exponent 1).
+  Value normal = b.Compare(exponent, u32(0), CompareDirection::kNE);
+  Value significand = b.Or(b.And(bits, u32(0x7FFFFF)), b.Select(normal, u32(0x800000), u32(0)));
+  // Target biased exponent if the result were normal; below 1 the result is
+  // subnormal and `extra` more bits are dropped.
+  Value target = b.Add(b.Convert(b.Max(exponent, u32(1)), ElementType::kS32), s32(f.bias - 127));
+  Value clamped = b.Max(target, s32(1));
+  Value extra = b.Sub(clamped, target);
+  Value shift = b.Convert(b.Min(b.Add(extra, s32(23 - f.mantissa)), s32(31)), ElementType::kU32);
+  Value kept = shr(significand, shift);
+  Value rest = b.And(significand, b.Sub(shl(u32(1), shift), u32(1)));
+  Value half = shl(u32(1), b.Sub(shift, u32(1)));
+  Value odd = b.Compare(b.And(kept, u32(1)), u32(0), CompareDirection::kNE);
+  Value up = b.Or(b.Compare(rest, half, CompareDirection::kGT),
+                  b.And(b.Compare(rest, half, CompareDirection::kEQ), odd));
+  kept = b.Add(kept, b.Select(up, u32(1), u32(0)));
+  // (clamped - 1) << mantissa + kept: kept holds the implicit bit, so a
+  // carry out of the mantissa steps the exponent, and a subnormal that
+  // rounds up to 2^mantissa is the smallest normal.
+  Value magnitude = b.Add(shl(b.Convert(b.Sub(clamped, s32(1)), ElementType::kU32), u32(f.mantissa)), kept);
+  magnitude = b.Select(b.Compare(magnitude, u32(f.max_finite), CompareDirection::kGT), u32(f.overflow), magnitude);
+  magnitude = b.Select(is_nan, u32(f.nan), magnitude);
+  Value out = b.Or(magnitude, sign);
+  if (f.fnuz) {
+    // No signed zero and one NaN (0x80): those take no sign bit.
+    Value unsigned_code = b.Or(b.Compare(magnitude, u32(0), CompareDirection::kEQ),
+                               b.Compare(magnitude, u32(0x80), CompareDirection::kEQ));
+    out = b.Select(unsigned_code, magnitude, out);
+  }
+  return b.BitcastConvert(b.Convert(out, ElementType::kU8), to);
+}
+
+// float8 -> f32, exact. e8m0fnu is built from the bits as c10 does (0 is
+// 2^-127, 0xFF is NaN with bits 0x7F800001).
+Value Float8ToF32(Builder& b, const Value& x) {
+  if (x.element() != ElementType::kF8E8M0FNU) return b.Convert(x, ElementType::kF32);
+  const auto& d = x.dims();
+  Value bits = b.Convert(b.BitcastConvert(x, ElementType::kU8), ElementType::kU32);
+  Value out = b.Binary("stablehlo.shift_left", bits, U32Const(b, 23, d));
+  out = b.Select(b.Compare(bits, U32Const(b, 0, d), hlo::CompareDirection::kEQ), U32Const(b, 0x00400000, d), out);
+  out = b.Select(b.Compare(bits, U32Const(b, 0xFF, d), hlo::CompareDirection::kEQ), U32Const(b, 0x7F800001, d), out);
+  return b.BitcastConvert(out, ElementType::kF32);
+}
+
+// c10's bits for `value` as float8 type t (through float, as c10::Scalar's
+// conversion to a Float8_* type goes).
+uint8_t Float8Bits(ElementType t, double value) {
+  const float f = static_cast<float>(value);
+  switch (t) {
+    case ElementType::kF8E5M2: return c10::Float8_e5m2(f).x;
+    case ElementType::kF8E4M3FN: return c10::Float8_e4m3fn(f).x;
+    case ElementType::kF8E5M2FNUZ: return c10::Float8_e5m2fnuz(f).x;
+    case ElementType::kF8E4M3FNUZ: return c10::Float8_e4m3fnuz(f).x;
+    case ElementType::kF8E8M0FNU: return c10::Float8_e8m0fnu(f).x;
+    default: throw LoweringError("Float8Bits: not a float8 type");
+  }
+}
+}  // namespace
+
 Value CastElement(Builder& b, const Value& v, ElementType to) {
   if (v.element() == to) return v;
+  if (hlo::IsFloat8(v.element())) return CastElement(b, Float8ToF32(b, v), to);
+  if (hlo::IsFloat8(to)) return F32ToFloat8(b, CastElement(b, v, ElementType::kF32), to);
   if (to == ElementType::kPred) {
     return b.Compare(v, ConstLike(b, v, 0), hlo::CompareDirection::kNE);
   }
@@ -65,7 +198,7 @@ Value CastElement(Builder& b, const Value& v, ElementType to) {
 Value Cast(Builder& b, const Value& v, at::ScalarType to) { return CastElement(b, v, ToElementType(to)); }
 
 Value Const(Builder& b, ElementType t, double value, std::span<const int64_t> dims) {
-  Value s = b.Constant(TensorType{t, {}}, value);
+  Value s = hlo::IsFloat8(t) ? b.ConstantBits(TensorType{t, {}}, Float8Bits(t, value)) : b.Constant(TensorType{t, {}}, value);
   if (dims.empty()) return s;
   return b.BroadcastInDim(s, dims, {});
 }

@@ -236,6 +236,14 @@ const LoweringEntry* FindLowering(std::string_view base_name);
 // check it before calling the lowering, so a real-only lowering never sees
 // complex values (the call then runs on the CPU).
 bool ComplexSupported(const LoweringEntry& entry, const LoweringContext& ctx);
+// False when the call has a float8 tensor (argument or output) and the op
+// is not one of the moves, fills, casts, cat/stack, index_select/index and
+// where that PyTorch's CPU kernels support for float8 (views pass): the
+// call then runs on the CPU, which gives CPU's values or CPU's error.
+bool Float8Supported(const LoweringEntry& entry, const LoweringContext& ctx);
+// ComplexSupported && Float8Supported: what both executors' paths and graph
+// lowering check before calling a lowering.
+bool DtypesSupported(const LoweringEntry& entry, const LoweringContext& ctx);
 // Every registered entry, for coverage reports.
 std::vector<const LoweringEntry*> AllLowerings();
 

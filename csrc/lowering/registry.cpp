@@ -1,5 +1,6 @@
 #include <mutex>
 #include <unordered_map>
+#include <optional>
 #include <unordered_set>
 
 #include "lowering/lowering.h"
@@ -100,6 +101,53 @@ bool ComplexSupported(const LoweringEntry& entry, const LoweringContext& ctx) {
   return true;
 }
 
+bool Float8Supported(const LoweringEntry& entry, const LoweringContext& ctx) {
+  if (entry.traits.graph_only) return true;
+  // What PyTorch's CPU kernels do for float8 besides arithmetic: moves,
+  // fills, casts, concatenation, selection and indexing (each copies, fills
+  // or casts elements); every other op on a float8 tensor runs on the CPU,
+  // which computes it as CPU does or raises CPU's error (most kernels are
+  // not dispatched for float8: NotImplementedError).
+  static const std::unordered_set<std::string_view> kFloat8Ops = {
+      "copy",  "clone", "_to_copy",     "zero",        "fill", "alias_copy", "view_copy", "full",
+      "full_like", "scalar_tensor", "cat", "stack", "index_select", "index",     "where"};
+  if (kFloat8Ops.count(entry.name)) {
+    // PyTorch does not promote a float8 type with another ("Promotion for
+    // Float8 Types is not supported"): a cat/stack/where mixing float8 with
+    // another data type runs on the CPU, which raises that (bool conditions
+    // aside).
+    static const std::unordered_set<std::string_view> kNoPromotion = {"cat", "stack", "where"};
+    if (!kNoPromotion.count(entry.name)) return true;
+    std::optional<hlo::ElementType> seen;
+    bool float8 = false, mixed = false;
+    auto see = [&](hlo::ElementType e) {
+      if (e == hlo::ElementType::kPred) return;
+      float8 |= hlo::IsFloat8(e);
+      mixed |= seen && *seen != e;
+      seen = e;
+    };
+    for (const auto& a : ctx.args) {
+      if (a.kind == LoweredArg::Kind::kTensor) see(a.value.element());
+      for (size_t j = 0; j < a.list.size(); ++j)
+        if (a.present[j]) see(a.list[j].element());
+    }
+    for (const auto& o : ctx.outputs) see(ToElementType(o.dtype));
+    return !(float8 && mixed);
+  }
+  for (const auto& o : ctx.outputs)
+    if (hlo::IsFloat8(ToElementType(o.dtype))) return false;
+  for (const auto& a : ctx.args) {
+    if (a.kind == LoweredArg::Kind::kTensor && hlo::IsFloat8(a.value.element())) return false;
+    for (size_t j = 0; j < a.list.size(); ++j)
+      if (a.present[j] && hlo::IsFloat8(a.list[j].element())) return false;
+  }
+  return true;
+}
+
+bool DtypesSupported(const LoweringEntry& entry, const LoweringContext& ctx) {
+  return ComplexSupported(entry, ctx) && Float8Supported(entry, ctx);
+}
+
 std::vector<const LoweringEntry*> AllLowerings() {
   std::vector<const LoweringEntry*> out;
   for (auto& [name, e] : Registry()) out.push_back(&e);
@@ -124,6 +172,11 @@ hlo::ElementType ToElementType(at::ScalarType t) {
     case at::kDouble: return E::kF64;
     case at::kComplexFloat: return E::kC64;
     case at::kComplexDouble: return E::kC128;
+    case at::kFloat8_e5m2: return E::kF8E5M2;
+    case at::kFloat8_e4m3fn: return E::kF8E4M3FN;
+    case at::kFloat8_e5m2fnuz: return E::kF8E5M2FNUZ;
+    case at::kFloat8_e4m3fnuz: return E::kF8E4M3FNUZ;
+    case at::kFloat8_e8m0fnu: return E::kF8E8M0FNU;
     default:
       throw LoweringError(std::string("dtype ") + c10::toString(t) + " is not supported on tpu");
   }
@@ -147,6 +200,11 @@ at::ScalarType ToScalarType(hlo::ElementType t) {
     case E::kF64: return at::kDouble;
     case E::kC64: return at::kComplexFloat;
     case E::kC128: return at::kComplexDouble;
+    case E::kF8E5M2: return at::kFloat8_e5m2;
+    case E::kF8E4M3FN: return at::kFloat8_e4m3fn;
+    case E::kF8E5M2FNUZ: return at::kFloat8_e5m2fnuz;
+    case E::kF8E4M3FNUZ: return at::kFloat8_e4m3fnuz;
+    case E::kF8E8M0FNU: return at::kFloat8_e8m0fnu;
   }
   return at::kFloat;
 }

@@ -987,8 +987,8 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
     ctx.poly_extent = PolyExtent();
     ctx.poly_dim = poly->dim;
   }
-  if (!lowering::ComplexSupported(entry, ctx))
-    throw UnsupportedOp(name + ": no complex lowering (runs on the CPU)");
+  if (!lowering::DtypesSupported(entry, ctx))
+    throw UnsupportedOp(name + ": no complex/float8 lowering (runs on the CPU)");
   IndexRangeChecks(b, name, ctx, entry, kEagerCheckWhere, index_checks);
 
   std::vector<hlo::Value> results;

@@ -80,7 +80,10 @@ struct NonFinite {
 
 NonFinite Scan(const at::Tensor& host) {
   if (!at::isFloatingType(host.scalar_type()) || host.numel() == 0) return {};
-  return {at::isnan(host).any().item<bool>(), at::isinf(host).any().item<bool>()};
+  // CPU's isinf has no float8 kernels (NotImplementedError): scan their
+  // exact float values.
+  const at::Tensor h = c10::isFloat8Type(host.scalar_type()) ? host.to(at::kFloat) : host;
+  return {at::isnan(h).any().item<bool>(), at::isinf(h).any().item<bool>()};
 }
 
 // A floating input as it was before the op ran: storage buffers are

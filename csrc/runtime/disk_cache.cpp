@@ -82,9 +82,18 @@ std::string DiskCache::Key(pjrt::Client& client, std::string_view module_text, c
 
 std::string DiskCache::EntryPath(const std::string& key) const { return directory_ + "/" + Sha1(key) + ".pjrt"; }
 
+namespace {
+// Modules with a float8 type (StableHLO's f8E5M2, f8E4M3FN, ...) bypass the
+// cache: executables the XLA CPU plugin deserializes run with denormals
+// flushed (f64 -> f32 of 1e-40 gives 0 from a loaded executable, 1e-40 from
+// a fresh one), and float8 values pass through f16 subnormals (an
+// f8E5M2FNUZ cast of 2^-15 gave 0x06 for 0x04). See disk_cache.h.
+bool BypassesCache(std::string_view module_text) { return module_text.find("f8E") != std::string_view::npos; }
+}  // namespace
+
 bool DiskCache::Has(pjrt::Client& client, std::string_view module_text,
                     const pjrt::CompileOptions& options) const {
-  if (!enabled()) return false;
+  if (!enabled() || BypassesCache(module_text)) return false;
   std::error_code ec;
   return std::filesystem::exists(EntryPath(Key(client, module_text, options)), ec);
 }
@@ -97,7 +106,7 @@ std::unique_ptr<pjrt::Executable> DiskCache::LoadOrCompile(pjrt::Client& client,
   // another.
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
-  if (!enabled()) return client.Compile(module_text, options);
+  if (!enabled() || BypassesCache(module_text)) return client.Compile(module_text, options);
   std::string key = Key(client, module_text, options);
   std::string path = EntryPath(key);
   if (auto exe = Load(client, path, key)) {

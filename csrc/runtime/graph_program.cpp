@@ -271,7 +271,7 @@ std::vector<int> GraphProgram::LowerCall(hlo::Builder& b, std::vector<ValueInfo>
     ctx.rng_state_value = *rng_state;
   }
 
-  if (!lowering::ComplexSupported(*entry, ctx)) throw GraphUnsupported(op_name + ": no complex lowering");
+  if (!lowering::DtypesSupported(*entry, ctx)) throw GraphUnsupported(op_name + ": no complex/float8 lowering");
   // The checks CPU makes on the values, as the eager executors compute them
   // (ProgramBuilder::AddCall: index ranges from the arguments before the
   // lowering, then what the lowering declared), raised at the next sync

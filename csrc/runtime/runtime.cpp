@@ -45,6 +45,11 @@ PJRT_Buffer_Type ToPjrtType(hlo::ElementType t) {
     case E::kF64: return PJRT_Buffer_Type_F64;
     case E::kC64: return PJRT_Buffer_Type_C64;
     case E::kC128: return PJRT_Buffer_Type_C128;
+    case E::kF8E5M2: return PJRT_Buffer_Type_F8E5M2;
+    case E::kF8E4M3FN: return PJRT_Buffer_Type_F8E4M3FN;
+    case E::kF8E5M2FNUZ: return PJRT_Buffer_Type_F8E5M2FNUZ;
+    case E::kF8E4M3FNUZ: return PJRT_Buffer_Type_F8E4M3FNUZ;
+    case E::kF8E8M0FNU: return PJRT_Buffer_Type_F8E8M0FNU;
   }
   return PJRT_Buffer_Type_INVALID;
 }
