@@ -219,6 +219,13 @@ struct LoweringTraits {
   // PyTorch's complex semantics. Without it a call with a complex tensor
   // runs on the CPU: a real-only lowering never sees complex values.
   bool complex = false;
+  // CPU's kernel allocates result 0 like this argument (its dtype), where
+  // the meta kernel (a Python decomposition) type-promotes the operands:
+  // mse_loss_backward's `at::zeros_like(self)` is BFloat16 for a bf16 self
+  // and a float grad_output, the meta result Float. The spec's result 0
+  // takes the argument's dtype (compiled_op.cpp ComputeSpec), so the
+  // program, a host-first call and CPU agree. nullptr: the meta dtype.
+  const char* result_dtype_of = nullptr;
 };
 
 struct LoweringEntry {

@@ -849,7 +849,7 @@ TORCH_TPU_LOWERINGS({
     {"nll_loss2d_forward", LowerNllLossForward},
     {"nll_loss2d_backward", LowerNllLossBackward},
     {"mse_loss", LowerMseLoss},
-    {"mse_loss_backward", LowerMseLossBackward},
+    {"mse_loss_backward", LowerMseLossBackward, {.result_dtype_of = "self"}},  // CPU: zeros_like(self)
     {"embedding_dense_backward", LowerEmbeddingDenseBackward},
     {"glu", LowerGlu},
     {"glu_backward", LowerGluBackward},
@@ -857,10 +857,10 @@ TORCH_TPU_LOWERINGS({
     {"log_sigmoid_backward", LowerLogSigmoidBackward},
     {"_prelu_kernel", LowerPreluKernel},
     {"_prelu_kernel_backward", LowerPreluKernelBackward},
-    {"binary_cross_entropy", LowerBinaryCrossEntropy},
+    {"binary_cross_entropy", LowerBinaryCrossEntropy, {.result_dtype_of = "self"}},  // CPU: empty(input.options())
     {"binary_cross_entropy_backward", LowerBinaryCrossEntropyBackward},
     {"smooth_l1_loss", LowerSmoothLoss<false>},
-    {"smooth_l1_loss_backward", LowerSmoothLossBackward<false>},
+    {"smooth_l1_loss_backward", LowerSmoothLossBackward<false>, {.result_dtype_of = "self"}},  // CPU: zeros_like(self)
     {"huber_loss", LowerSmoothLoss<true>},
     {"huber_loss_backward", LowerSmoothLossBackward<true>},
 });

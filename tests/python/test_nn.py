@@ -513,3 +513,35 @@ def test_binary_cross_entropy_input_outside_unit_interval_raises_like_cpu(bad):
     ok = torch.tensor([0.25, 0.5])
     torch.testing.assert_close(torch.nn.functional.binary_cross_entropy(ok.to("tpu"), y.to("tpu")).cpu(),
                                torch.nn.functional.binary_cross_entropy(ok, y))
+
+
+_A = torch.ops.aten
+
+
+@pytest.mark.parametrize(
+    "name,call",
+    [
+        # CPU's kernels allocate the result like `self` (zeros_like / empty(input.options())),
+        # where the meta kernels (decompositions) promote: LoweringTraits::result_dtype_of.
+        ("mse_loss_backward", lambda f, s, t, w: _A.mse_loss_backward(f, s, t, 1)),
+        ("smooth_l1_loss_backward", lambda f, s, t, w: _A.smooth_l1_loss_backward(f, s, t, 1, 1.0)),
+        ("binary_cross_entropy", lambda f, s, t, w: _A.binary_cross_entropy(s, t, w, 1)),
+    ],
+)
+def test_mixed_dtype_loss_ops_give_cpus_result_dtype(name, call):
+    """A bf16 `self` with float operands: the result is BFloat16 on CPU. The
+    first calls are host-served (CPU's kernel) and the later ones run the
+    device program; every call must have CPU's dtype and values (bf16
+    tolerance), and none may raise the host-first mismatch error."""
+    g = torch.Generator().manual_seed(0)
+    f = torch.rand(4, 4, generator=g)
+    s = torch.rand(4, 4, generator=g).to(torch.bfloat16)
+    t = torch.rand(4, 4, generator=g).to(torch.bfloat16 if name == "binary_cross_entropy" else torch.float32)
+    w = torch.rand(4, 4, generator=g)
+    want = call(f, s, t, w)
+    assert want.dtype == torch.bfloat16
+    for _ in range(4):
+        got = call(f.tpu(), s.tpu(), t.tpu(), w.tpu())
+        torch_tpu.metrics()  # waits for the background compile: the next call runs the program
+        assert got.dtype == want.dtype, name
+        torch.testing.assert_close(got.cpu(), want, rtol=1.6e-2, atol=1e-2)
