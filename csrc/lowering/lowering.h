@@ -219,13 +219,16 @@ struct LoweringTraits {
   // PyTorch's complex semantics. Without it a call with a complex tensor
   // runs on the CPU: a real-only lowering never sees complex values.
   bool complex = false;
-  // CPU's kernel allocates result 0 like this argument (its dtype), where
-  // the meta kernel (a Python decomposition) type-promotes the operands:
-  // mse_loss_backward's `at::zeros_like(self)` is BFloat16 for a bf16 self
-  // and a float grad_output, the meta result Float. The spec's result 0
-  // takes the argument's dtype (compiled_op.cpp ComputeSpec), so the
-  // program, a host-first call and CPU agree. nullptr: the meta dtype.
-  const char* result_dtype_of = nullptr;
+  // The results' dtypes where CPU's kernel allocates them otherwise than
+  // the meta kernel (a Python decomposition that promotes, or CUDA's
+  // rule): called with the call's arguments (schema order) and the meta
+  // dtypes of its new results, it sets CPU's. mse_loss_backward's
+  // `at::zeros_like(self)` is BFloat16 for a bf16 self and a float
+  // grad_output where the meta result is Float; CPU's native_layer_norm
+  // gives mean/rstd the input's dtype unless weight/bias have another.
+  // Applied by compiled_op.cpp ComputeSpec, so the program, a host-first
+  // call (CPU's kernel) and CPU agree. nullptr: the meta dtypes.
+  void (*result_dtypes)(std::span<const c10::IValue> args, std::span<at::ScalarType> dtypes) = nullptr;
 };
 
 struct LoweringEntry {

@@ -503,6 +503,31 @@ std::vector<Value> LowerMseLoss(LoweringContext& ctx) {
   return {ReduceLoss(b, l, ctx.int_arg("reduction"), acc, out)};
 }
 
+// LoweringTraits::result_dtypes. CPU's mse_loss_backward and
+// smooth_l1_loss_backward (`at::zeros_like(self)`, self = argument 1) and
+// binary_cross_entropy (`at::empty({0}, input.options())`, argument 0)
+// allocate result 0 like `self`.
+template <size_t kSelf>
+void ResultLikeSelf(std::span<const c10::IValue> args, std::span<at::ScalarType> dtypes) {
+  if (kSelf < args.size() && args[kSelf].isTensor() && args[kSelf].toTensor().defined() && !dtypes.empty())
+    dtypes[0] = args[kSelf].toTensor().scalar_type();
+}
+
+// CPU's layer_norm_cpu (aten/src/ATen/native/layer_norm.cpp): mean and rstd
+// have param_scalar_type: float where weight or bias has another dtype
+// than the input (mixed type), else the input's (BFloat16 for bf16).
+void LayerNormResultDtypes(std::span<const c10::IValue> args, std::span<at::ScalarType> dtypes) {
+  if (args.size() < 4 || !args[0].isTensor() || dtypes.size() < 3) return;
+  const at::ScalarType in = args[0].toTensor().scalar_type();
+  bool mixed = false;
+  for (size_t i : {size_t{2}, size_t{3}})
+    if (args[i].isTensor() && args[i].toTensor().defined() && args[i].toTensor().scalar_type() != in) mixed = true;
+  // opmath_type of the input: float for bf16/f16, else the input's own.
+  const bool reduced = in == at::kBFloat16 || in == at::kHalf;
+  const at::ScalarType stats = mixed && reduced ? at::kFloat : in;
+  dtypes[1] = dtypes[2] = stats;
+}
+
 std::vector<Value> LowerMseLossBackward(LoweringContext& ctx) {
   auto& b = ctx.b;
   const auto& out = ctx.outputs[0];
@@ -834,7 +859,7 @@ TORCH_TPU_LOWERINGS({
     {"_log_softmax", LowerLogSoftmax},
     {"_softmax_backward_data", LowerSoftmaxBackward},
     {"_log_softmax_backward_data", LowerLogSoftmaxBackward},
-    {"native_layer_norm", LowerLayerNorm},
+    {"native_layer_norm", LowerLayerNorm, {.result_dtypes = LayerNormResultDtypes}},
     {"native_layer_norm_backward", LowerLayerNormBackward},
     {"native_batch_norm", LowerBatchNorm},
     {"_native_batch_norm_legit", LowerBatchNorm},
@@ -849,7 +874,7 @@ TORCH_TPU_LOWERINGS({
     {"nll_loss2d_forward", LowerNllLossForward},
     {"nll_loss2d_backward", LowerNllLossBackward},
     {"mse_loss", LowerMseLoss},
-    {"mse_loss_backward", LowerMseLossBackward, {.result_dtype_of = "self"}},  // CPU: zeros_like(self)
+    {"mse_loss_backward", LowerMseLossBackward, {.result_dtypes = ResultLikeSelf<1>}},
     {"embedding_dense_backward", LowerEmbeddingDenseBackward},
     {"glu", LowerGlu},
     {"glu_backward", LowerGluBackward},
@@ -857,10 +882,10 @@ TORCH_TPU_LOWERINGS({
     {"log_sigmoid_backward", LowerLogSigmoidBackward},
     {"_prelu_kernel", LowerPreluKernel},
     {"_prelu_kernel_backward", LowerPreluKernelBackward},
-    {"binary_cross_entropy", LowerBinaryCrossEntropy, {.result_dtype_of = "self"}},  // CPU: empty(input.options())
+    {"binary_cross_entropy", LowerBinaryCrossEntropy, {.result_dtypes = ResultLikeSelf<0>}},
     {"binary_cross_entropy_backward", LowerBinaryCrossEntropyBackward},
     {"smooth_l1_loss", LowerSmoothLoss<false>},
-    {"smooth_l1_loss_backward", LowerSmoothLossBackward<false>, {.result_dtype_of = "self"}},  // CPU: zeros_like(self)
+    {"smooth_l1_loss_backward", LowerSmoothLossBackward<false>, {.result_dtypes = ResultLikeSelf<1>}},
     {"huber_loss", LowerSmoothLoss<true>},
     {"huber_loss_backward", LowerSmoothLossBackward<true>},
 });

@@ -559,16 +559,16 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
     else spec.outputs.push_back({at::kFloat, {}});  // placeholder: the lowering's value is dropped
     spec.strides.push_back(NewTensorStrides(mt));
   }
-  // Result 0 like an argument, where CPU's kernel allocates it so and the
-  // meta kernel promotes (LoweringTraits::result_dtype_of).
-  if (!spec.outputs.empty() && spec.defined[0] && spec.return_alias[0] < 0) {
-    const lowering::LoweringEntry* entry = lowering::FindLowering(BaseName(schema));
-    if (entry && entry->traits.result_dtype_of)
-      for (size_t i = 0; i < args.size(); ++i) {
-        const c10::IValue& v = stack[first + i];
-        if (args[i].name() == entry->traits.result_dtype_of && v.isTensor() && v.toTensor().defined())
-          spec.outputs[0].dtype = v.toTensor().scalar_type();
-      }
+  // CPU's result dtypes where its kernel and the meta kernel differ
+  // (LoweringTraits::result_dtypes); out= and in-place results keep their
+  // tensor's dtype (below).
+  if (const lowering::LoweringEntry* entry = lowering::FindLowering(BaseName(schema));
+      entry && entry->traits.result_dtypes) {
+    std::vector<at::ScalarType> dtypes;
+    for (const auto& o : spec.outputs) dtypes.push_back(o.dtype);
+    entry->traits.result_dtypes(std::span<const c10::IValue>(stack.data() + first, args.size()), dtypes);
+    for (size_t r = 0; r < spec.outputs.size(); ++r)
+      if (spec.defined[r]) spec.outputs[r].dtype = dtypes[r];
   }
   // out= tensors of other sizes are resized as PyTorch's resize_output does
   // (before every launch that shares the key); for `out_resized_by_numel`

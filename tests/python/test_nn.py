@@ -545,3 +545,25 @@ def test_mixed_dtype_loss_ops_give_cpus_result_dtype(name, call):
         torch_tpu.metrics()  # waits for the background compile: the next call runs the program
         assert got.dtype == want.dtype, name
         torch.testing.assert_close(got.cpu(), want, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("param", ["none", "same", "float32"])
+def test_native_layer_norm_stats_dtype_is_cpus(dtype, param):
+    """CPU's native_layer_norm gives mean/rstd the input's dtype unless
+    weight/bias have another (then float): host-served first calls and the
+    device program must both give CPU's dtypes and values."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 4, generator=g).to(dtype)
+    pd = {"none": None, "same": dtype, "float32": torch.float32}[param]
+    w = None if pd is None else torch.randn(4, generator=g).to(pd)
+    b = None if pd is None else torch.randn(4, generator=g).to(pd)
+    want = _A.native_layer_norm(x, [4], w, b, 1e-5)
+    on = lambda t: None if t is None else t.tpu()  # noqa: E731
+    for _ in range(4):
+        got = _A.native_layer_norm(x.tpu(), [4], on(w), on(b), 1e-5)
+        torch_tpu.metrics()
+        for gi, wi in zip(got, want):
+            assert gi.dtype == wi.dtype
+            tol = 1e-5 if wi.dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(gi.cpu(), wi, rtol=tol, atol=tol)
