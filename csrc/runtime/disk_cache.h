@@ -19,10 +19,9 @@
 // removed until the total fits.
 //
 // Not cached: modules with a float8 element type (f8E*), compiled every
-// time. Executables the XLA CPU plugin deserializes flush denormals (a
-// loaded f64 -> f32 convert of 1e-40 gives 0; fresh, 1e-40), which moved
-// float8 casts off CPU's bits (tests/python/test_float8.py run twice on one
-// cache). The flush affects other dtypes' subnormals too; not handled here.
+// time, so a process's first call of each is host-served (disk_cache.cpp
+// BypassesCache says why and why it is a stopgap: the plugin flushes
+// subnormals in every execution, loaded or fresh).
 //
 // Location: TORCH_TPU_CACHE_DIR, else $XDG_CACHE_HOME/torch_tpu, else
 // ~/.cache/torch_tpu. TORCH_TPU_CACHE_DIR="" (empty) disables the cache.
