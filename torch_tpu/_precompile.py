@@ -757,8 +757,23 @@ def _patch() -> None:
             return out
 
         bound["guard_filter_fn"] = keep
-        with torch._dynamo.config.patch(caching_precompile=False):
-            init(**bound)
+        try:
+            with torch._dynamo.config.patch(caching_precompile=False):
+                init(**bound)
+        except Exception as e:
+            # The guards cannot be serialized (PyTorch raises TypeError for
+            # an object whose class is defined in a local scope: a model
+            # class made inside a function): the frame runs with Dynamo's
+            # full live guards and is not saved, as without the cache.
+            package = getattr(bound.get("output_graph"), "package", None)
+            if not bound.get("save_guards") or package is None:
+                raise
+            package._tpu_not_saved = f"its guards cannot be saved ({type(e).__name__}: {str(e)[:200]})"
+            bound["guard_filter_fn"], bound["save_guards"] = user, False
+            with torch._dynamo.config.patch(caching_precompile=False):
+                init(**bound)
+            self.guards_state = b""  # convert_frame asserts it is set when a package exists
+            return
         package = getattr(bound.get("output_graph"), "package", None)
         if package is not None:
             if not hasattr(package, "_tpu_identities"):

@@ -613,3 +613,41 @@ def test_identity_guard_on_an_argument(tmp_path, cache):
     python_act = _run(tmp_path, [], other, script_text=ARG_SCRIPT, PYTHON_ACT="1")
     assert python_act["traced"] == 1 and python_act["max_err"] <= 1e-5, python_act
     assert python_act["warnings"] == [] and _entries(other) == [], python_act  # nothing to fail loading
+
+
+LOCAL_CLASS_SCRIPT = textwrap.dedent('''
+    import json, torch, torch_tpu
+
+    def make():
+        class Block(torch.nn.Module):  # a class defined in a local scope
+            def __init__(self):
+                super().__init__()
+                self.fc = torch.nn.Linear(8, 8)
+
+            def forward(self, x):
+                return torch.relu(self.fc(x)) * 2
+
+        return Block()
+
+    torch.manual_seed(0)
+    model = make().eval()
+    x = torch.randn(3, 8)
+    want = model(x)
+    compiled = torch.compile(model.to("tpu"), backend="tpu")
+    with torch.no_grad():
+        got = compiled(x.to("tpu")).cpu()
+    err = (got - want).abs().max().item()
+    traced = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    print("RESULT " + json.dumps({"err": err, "traced": traced}))
+''')
+
+
+def test_model_class_in_a_local_scope_compiles_and_is_not_saved(tmp_path, cache):
+    """PyTorch cannot serialize guards on an object whose class is defined
+    in a local scope (TypeError from serialize_guards, which crashed
+    torch.compile with the cache on): the frame compiles and runs with
+    Dynamo's live guards, is not saved, and a second process does the same."""
+    for _ in range(2):
+        r = _run(tmp_path, [], cache, script_text=LOCAL_CLASS_SCRIPT)
+        assert r["traced"] == 1 and r["err"] <= 1e-5, r
+    assert _entries(cache) == [], _entries(cache)
