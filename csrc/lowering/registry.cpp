@@ -131,11 +131,12 @@ bool Float8Supported(const LoweringEntry& entry, const LoweringContext& ctx) {
       for (size_t j = 0; j < a.list.size(); ++j)
         if (a.present[j]) see(a.list[j].element());
     }
-    for (const auto& o : ctx.outputs) see(ToElementType(o.dtype));
+    for (const auto& o : ctx.outputs)  // an unused graph output has no dtype (Undefined)
+      if (o.dtype != at::ScalarType::Undefined) see(ToElementType(o.dtype));
     return !(float8 && mixed);
   }
-  for (const auto& o : ctx.outputs)
-    if (hlo::IsFloat8(ToElementType(o.dtype))) return false;
+  for (const auto& o : ctx.outputs)  // never ToElementType: an unused graph output's dtype is Undefined
+    if (c10::isFloat8Type(o.dtype)) return false;
   for (const auto& a : ctx.args) {
     if (a.kind == LoweredArg::Kind::kTensor && hlo::IsFloat8(a.value.element())) return false;
     for (size_t j = 0; j < a.list.size(); ++j)
