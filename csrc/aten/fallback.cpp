@@ -876,7 +876,7 @@ void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
-void ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle& op, torch::jit::Stack& stack,
+bool ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle& op, torch::jit::Stack& stack,
                  size_t num_args) {
   auto& rt = runtime::Runtime::Get();
   const size_t first = stack.size() - num_args;
@@ -906,8 +906,18 @@ void ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle&
   // mismatch raises before any storage changes.
   const size_t num_returns = op.schema().returns().size();
   const size_t rfirst = stack.size() - num_returns;
-  TORCH_CHECK(compiled.returns.size() == num_returns, "torch_tpu: ", compiled.name,
-              ": host-first call returned ", num_returns, " values, its program ", compiled.returns.size());
+  // A result CPU's kernel gives with other sizes or dtype than the program
+  // (an op's internal outputs: embedding_bag's offset2bag, Long[0] on CPU
+  // where the meta kernel gives Long[n]; native_batch_norm's save_mean in
+  // eval): nothing has been written yet, so the arguments are put back and
+  // the caller runs the program instead (every call of the key then gives
+  // the program's results, as before host-first calls).
+  auto decline = [&] {
+    stack.erase(stack.begin() + static_cast<std::ptrdiff_t>(first), stack.end());
+    for (auto& v : originals) stack.push_back(std::move(v));
+    return false;
+  };
+  if (compiled.returns.size() != num_returns) return decline();
   std::vector<c10::IValue> returns(num_returns);
   std::vector<std::pair<size_t, std::vector<int64_t>>> new_outputs;  // (return, sizes)
   for (size_t r = 0; r < num_returns; ++r) {
@@ -930,11 +940,10 @@ void ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle&
       sizes[static_cast<size_t>(o.dynamic_dim)] = o.dynamic_scale * t.size(compiled.poly_dim) + o.dynamic_offset;
     }
     const at::Tensor& host = stack[rfirst + r].toTensor();
-    TORCH_CHECK(host.defined() && host.sizes() == c10::IntArrayRef(sizes) && host.scalar_type() == o.dtype,
-                "torch_tpu: ", compiled.name, ": the CPU kernel of a host-first call returned ",
-                host.defined() ? c10::str(host.scalar_type(), host.sizes()) : std::string("an undefined tensor"),
-                " where its program returns ", c10::str(o.dtype, c10::IntArrayRef(sizes)),
-                "; TORCH_TPU_HOST_FIRST=0 avoids host-first calls");
+    if (!host.defined() || host.sizes() != c10::IntArrayRef(sizes) || host.scalar_type() != o.dtype) {
+      rt.metrics().host_first_declined++;
+      return decline();
+    }
     new_outputs.emplace_back(r, std::move(sizes));
   }
   const std::string producer = compiled.name + " (host-first, on the CPU)";
@@ -964,6 +973,7 @@ void ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle&
   rt.metrics().host_served++;
   stack.erase(stack.begin() + static_cast<std::ptrdiff_t>(first), stack.end());
   for (auto& v : returns) stack.push_back(std::move(v));
+  return true;
 }
 
 }  // namespace
@@ -1027,9 +1037,9 @@ bool CopyOnCpuIfOverlapping(const at::Tensor& dst, const at::Tensor& src) {
 
 namespace torch_tpu::runtime {
 
-void ServeOnHost(const CompiledOp& compiled, const c10::OperatorHandle& op, torch::jit::Stack& stack,
+bool ServeOnHost(const CompiledOp& compiled, const c10::OperatorHandle& op, torch::jit::Stack& stack,
                  size_t num_args) {
-  aten::ServeOnHost(compiled, op, stack, num_args);
+  return aten::ServeOnHost(compiled, op, stack, num_args);
 }
 
 }  // namespace torch_tpu::runtime

@@ -43,6 +43,7 @@ py::dict Metrics() {
   d["fused_region_outputs"] = m.fused_region_outputs.load();
   d["donated_buffers"] = m.donated_buffers.load();
   d["host_served"] = m.host_served.load();
+  d["host_first_declined"] = m.host_first_declined.load();
   py::dict fallbacks;
   {
     std::lock_guard<std::mutex> lock(m.fallback_mutex);

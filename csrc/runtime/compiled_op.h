@@ -314,8 +314,12 @@ void AwaitBackgroundCompiles();
 // them (contiguous, the same buffer capacity), so later calls see the same
 // keys whether a call was served on the host or on the device. Counts
 // metrics()["host_served"], not a CPU fallback. Replaces the arguments (the
-// last `num_args` values of the stack) by the returns.
-void ServeOnHost(const CompiledOp& compiled, const c10::OperatorHandle& op, torch::jit::Stack& stack,
+// last `num_args` values of the stack) by the returns and returns true; or,
+// where a result of CPU's kernel has other sizes or dtype than the
+// program's (internal outputs such as embedding_bag's offset2bag), leaves
+// the stack as it was, counts metrics()["host_first_declined"] and returns
+// false: the caller runs the program.
+bool ServeOnHost(const CompiledOp& compiled, const c10::OperatorHandle& op, torch::jit::Stack& stack,
                  size_t num_args);
 
 // Input buffers of a launch. `arg_of(call, arg)` returns the IValue of an

@@ -32,6 +32,7 @@ struct Metrics {
   std::atomic<int64_t> fused_region_outputs{0};  // their outputs (storages still referenced at the flush)
   std::atomic<int64_t> donated_buffers{0};       // input buffers reused for an in-place result
   std::atomic<int64_t> host_served{0};           // host-first calls run by the ATen CPU kernel (ServeOnHost)
+  std::atomic<int64_t> host_first_declined{0};   // host-first calls whose CPU results differed from the program's: run by the program
   std::mutex fallback_mutex;
   std::map<std::string, int64_t> cpu_fallbacks;  // op name -> count
 };

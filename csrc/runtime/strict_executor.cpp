@@ -17,7 +17,11 @@ void RunStrict(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lo
   bool host_served = false;
   std::shared_ptr<const CompiledOp> compiled =
       GlobalOpCache().Lookup(op, *stack, entry, /*shape_poly=*/true, &host_served);
-  if (host_served) return ServeOnHost(*compiled, op, *stack, op.schema().arguments().size());
+  if (host_served) {
+    if (ServeOnHost(*compiled, op, *stack, op.schema().arguments().size())) return;
+    // CPU's kernel gave other results than the program: the program, compiled now.
+    compiled = GlobalOpCache().Lookup(op, *stack, entry, /*shape_poly=*/true);
+  }
   Launch(*compiled, *stack, op.schema().arguments().size());
 }
 
