@@ -443,3 +443,29 @@ def test_compile_after_n_calls(after):
     assert r["debug"]["ds"] == {"host_served": 2, "executions": 0, "compiles": 0}, r
     assert r["debug"]["dd"]["host_served"] == 0 and r["debug"]["dd"]["compiles"] == 2, r
     assert r["debug"]["dd"]["executions"] == 2, r
+
+
+def test_call_whose_cpu_results_differ_runs_the_program():
+    """embedding_bag's CPU kernel returns offset2bag as Long[0] where the
+    program (the meta kernel) gives Long[n]: the host-first call declines
+    (metrics()["host_first_declined"]) and runs the program, whose bag
+    values equal CPU's; no error. A fresh process with no disk cache, so the
+    first calls are host-first ones."""
+    code = r"""
+import json, torch, torch_tpu
+import torch.nn.functional as F
+g = torch.Generator().manual_seed(0)
+w = torch.randn(10, 4, generator=g)
+idx = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9])
+off = torch.tensor([0, 4])
+err = 0.0
+for _ in range(3):
+    got = F.embedding_bag(idx.tpu(), w.tpu(), off.tpu(), mode="sum")
+    err = max(err, (got.cpu() - F.embedding_bag(idx, w, off, mode="sum")).abs().max().item())
+m = torch_tpu.metrics()
+print("RESULT " + json.dumps({"err": err, "declined": m["host_first_declined"]}))
+"""
+    r = run_python(code, env={"TORCH_TPU_CACHE_DIR": ""}, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    assert res["err"] <= 1e-6 and res["declined"] >= 1, res
