@@ -913,6 +913,7 @@ bool ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle&
   // the caller runs the program instead (every call of the key then gives
   // the program's results, as before host-first calls).
   auto decline = [&] {
+    rt.metrics().host_first_declined++;
     stack.erase(stack.begin() + static_cast<std::ptrdiff_t>(first), stack.end());
     for (auto& v : originals) stack.push_back(std::move(v));
     return false;
@@ -940,10 +941,8 @@ bool ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle&
       sizes[static_cast<size_t>(o.dynamic_dim)] = o.dynamic_scale * t.size(compiled.poly_dim) + o.dynamic_offset;
     }
     const at::Tensor& host = stack[rfirst + r].toTensor();
-    if (!host.defined() || host.sizes() != c10::IntArrayRef(sizes) || host.scalar_type() != o.dtype) {
-      rt.metrics().host_first_declined++;
+    if (!host.defined() || host.sizes() != c10::IntArrayRef(sizes) || host.scalar_type() != o.dtype)
       return decline();
-    }
     new_outputs.emplace_back(r, std::move(sizes));
   }
   const std::string producer = compiled.name + " (host-first, on the CPU)";
