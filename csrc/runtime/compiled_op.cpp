@@ -1567,23 +1567,25 @@ int64_t CallBytes(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
 
 // Whether a call may be served on the host before its program is built
 // (OpCache::Lookup, host_served): not a random op (the tpu generator's
-// stream must not change), no out= argument (the CPU kernel would resize
-// it on the host), a CPU kernel to run.
+// stream must not change), a CPU kernel to run. out= calls qualify here and
+// are checked once built (HostFirstFits: no out= resize).
 bool HostFirstCall(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                    const lowering::LoweringEntry& entry) {
   if (!HostFirstEnabled() || entry.traits.needs_rng) return false;
   const auto& args = op.schema().arguments();
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (IsOutArg(args[i])) return false;
+  for (size_t i = 0; i < args.size(); ++i)
     if (stack[first + i].isGenerator()) return false;
-  }
   return op.hasComputedKernelForDispatchKey(c10::DispatchKey::CPU);
 }
 
-// And once the program is built: not too large, outputs typed as their
-// dtypes' bytes (the host result is uploaded as it is).
+// And once the program is built: not too large, no out= tensor to resize
+// (the CPU kernel would resize the host mirror, not the tpu tensor; an out=
+// tensor of the result's sizes is written in place through its mirror, as
+// an in-place op's self is), outputs typed as their dtypes' bytes (the host
+// result is uploaded as it is).
 bool HostFirstFits(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                    const CompiledOp& compiled) {
+  if (!compiled.resize_outputs.empty()) return false;
   if (CallBytes(op, stack, first, compiled.spec) > HostFirstMaxBytes()) return false;
   for (const auto& o : compiled.outputs)
     if (o.kind == OutputSlot::Kind::kNewTensor &&

@@ -415,7 +415,7 @@ class OpCache {
   //
   // `host_served` (the strict executor): where non-null, a miss whose call
   // qualifies for host-first serving (HostFirstEnabled; not a random op,
-  // no out= argument, a CPU kernel, at most HostFirstMaxBytes, the program
+  // no out= tensor to resize, a CPU kernel, at most HostFirstMaxBytes, the program
   // not in the disk cache) sets *host_served, queueing its compile on the
   // background thread at the key's HostFirstCompileAfter()-th call (N > 1:
   // such calls of a queued key stay host-served until it is ready): the op
