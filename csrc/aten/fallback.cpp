@@ -919,6 +919,13 @@ bool ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle&
     return false;
   };
   if (compiled.returns.size() != num_returns) return decline();
+  // A CPU kernel that resized a mirrored storage (an out= tensor resized
+  // inside the kernel: binary_cross_entropy's out= of a reduction writes
+  // the elementwise loss through a squeezed view, growing the storage, and
+  // then sums the 0-d out alone, a wrong value) is not what the program
+  // computes: decline.
+  for (auto& [ds, m] : mirrors.map())
+    if (m.bytes.storage().nbytes() != ds->nbytes()) return decline();
   std::vector<c10::IValue> returns(num_returns);
   std::vector<std::pair<size_t, std::vector<int64_t>>> new_outputs;  // (return, sizes)
   for (size_t r = 0; r < num_returns; ++r) {

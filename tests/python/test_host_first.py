@@ -469,3 +469,52 @@ print("RESULT " + json.dumps({"err": err, "declined": m["host_first_declined"]})
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
     assert res["err"] <= 1e-6 and res["declined"] >= 1, res
+
+
+def test_out_calls():
+    """out= calls (docs/design.md "Host-first calls"): an out= tensor that
+    already has the result's sizes is host-served (written through its host
+    mirror and uploaded, as an in-place self is; _safe_softmax's
+    where.self_out in every attention call); one the call must resize runs
+    the program (the CPU kernel would resize the host mirror, not the tpu
+    tensor); a CPU kernel that grows a mirrored storage inside the call
+    (binary_cross_entropy's out= of a reduction: CPU's own kernel then sums
+    the 0-d out alone and returns the first element's loss) declines and
+    runs the program, whose value is the reduction's. Values against CPU's
+    functional results; a fresh process with no disk cache."""
+    code = r"""
+import json, torch, torch_tpu
+import torch.nn.functional as F
+g = torch.Generator().manual_seed(0)
+c = torch.randn(4, 5, generator=g) > 0
+a, b = torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)
+want = torch.where(c, a, b)
+res = {}
+o = torch.empty(4, 5, device="tpu")
+m0 = torch_tpu.metrics()
+r = torch.where(c.tpu(), a.tpu(), b.tpu(), out=o)
+m1 = torch_tpu.metrics()
+res["sized"] = dict(same=r is o, exact=torch.equal(o.cpu(), want),
+                    served=m1["host_served"] - m0["host_served"], executions=m1["executions"] - m0["executions"])
+o = torch.empty(0, device="tpu")
+m0 = torch_tpu.metrics()
+torch.where(c.tpu(), a.tpu(), b.tpu(), out=o)
+m1 = torch_tpu.metrics()
+res["resized"] = dict(shape=list(o.shape), exact=torch.equal(o.cpu(), want),
+                      served=m1["host_served"] - m0["host_served"], executions=m1["executions"] - m0["executions"])
+p = torch.rand(5, generator=g).clamp(0.1, 0.9); y = torch.rand(5, generator=g)
+o = torch.empty((), device="tpu")
+m0 = torch_tpu.metrics()
+torch._C._nn.binary_cross_entropy(p.tpu(), y.tpu(), None, 2, out=o)
+m1 = torch_tpu.metrics()
+res["bce"] = dict(err=abs(o.item() - F.binary_cross_entropy(p, y, reduction="sum").item()),
+                  declined=m1["host_first_declined"] - m0["host_first_declined"])
+print("RESULT " + json.dumps(res))
+"""
+    r = run_python(code, env={"TORCH_TPU_CACHE_DIR": ""}, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    assert res["sized"] == {"same": True, "exact": True, "served": 1, "executions": 0}, res
+    assert res["resized"]["shape"] == [4, 5] and res["resized"]["exact"], res
+    assert res["resized"]["served"] == 0 and res["resized"]["executions"] == 1, res
+    assert res["bce"]["declined"] == 1 and res["bce"]["err"] <= 1e-5, res
