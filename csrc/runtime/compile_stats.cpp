@@ -1,4 +1,5 @@
 #include "runtime/compile_stats.h"
+#include "runtime/env.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -8,6 +9,7 @@
 #include <bit>
 #include <cerrno>
 #include <cstdlib>
+#include <limits>
 #include <stdexcept>
 
 namespace torch_tpu::runtime {
@@ -133,17 +135,8 @@ CompileStats& CompileStats::Get() {
 }
 
 int64_t CompileStats::WarnThreshold() {
-  static const int64_t threshold = [] {
-    const char* e = std::getenv("TORCH_TPU_RECOMPILE_WARN");
-    if (!e || !*e) return int64_t{8};
-    char* end = nullptr;
-    errno = 0;
-    long long n = std::strtoll(e, &end, 10);
-    if (errno != 0 || *end != '\0' || n < 0)
-      throw std::invalid_argument(std::string("TORCH_TPU_RECOMPILE_WARN must be a non-negative integer, got '") + e +
-                                  "'");
-    return static_cast<int64_t>(n);
-  }();
+  static const int64_t threshold = EnvInteger("TORCH_TPU_RECOMPILE_WARN", 8, 0, std::numeric_limits<int64_t>::max(),
+                                              "a non-negative integer");
   return threshold;
 }
 

@@ -1,4 +1,5 @@
 #include "runtime/compiled_op.h"
+#include "runtime/env.h"
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
@@ -1458,15 +1459,7 @@ class CompileWorker {
 
  private:
   void Start() {
-    int n = 1;
-    if (const char* e = std::getenv("TORCH_TPU_COMPILE_THREADS"); e && *e) {
-      char* end = nullptr;
-      long v = std::strtol(e, &end, 10);
-      if (*end != '\0' || v < 1 || v > 64)
-        throw std::invalid_argument(std::string("TORCH_TPU_COMPILE_THREADS must be an integer in [1, 64], got '") + e +
-                                    "'");
-      n = static_cast<int>(v);
-    }
+    const int n = static_cast<int>(EnvInteger("TORCH_TPU_COMPILE_THREADS", 1, 1, 64, "an integer in [1, 64]"));
     static std::once_flag hooks;
     std::call_once(hooks, [] {
       std::atexit([] { CompileWorker::Get().AwaitAll(); });
@@ -1637,27 +1630,13 @@ OpCache& GlobalOpCache() {
 }
 
 size_t MaxCachedExecutables() {
-  static const size_t limit = [] {
-    const char* e = std::getenv("TORCH_TPU_MAX_CACHED_EXECUTABLES");
-    if (!e || !*e) return size_t{4096};
-    char* end = nullptr;
-    errno = 0;
-    long long n = std::strtoll(e, &end, 10);
-    if (errno != 0 || *end != '\0' || n <= 0)
-      throw std::invalid_argument(std::string("TORCH_TPU_MAX_CACHED_EXECUTABLES must be a positive integer, got '") +
-                                  e + "'");
-    return static_cast<size_t>(n);
-  }();
+  static const size_t limit = static_cast<size_t>(EnvInteger(
+      "TORCH_TPU_MAX_CACHED_EXECUTABLES", 4096, 1, std::numeric_limits<int64_t>::max(), "a positive integer"));
   return limit;
 }
 
 bool ShapePolyEnabled() {
-  static const bool enabled = [] {
-    const char* e = std::getenv("TORCH_TPU_SHAPE_POLY");
-    if (!e || !*e || std::string(e) == "1") return true;
-    if (std::string(e) == "0") return false;
-    throw std::invalid_argument(std::string("TORCH_TPU_SHAPE_POLY must be 0 or 1, got '") + e + "'");
-  }();
+  static const bool enabled = EnvFlag("TORCH_TPU_SHAPE_POLY", true);
   return enabled;
 }
 
@@ -1667,30 +1646,9 @@ std::atomic<int64_t>& ExecutableEvictions() {
 }
 
 bool HostFirstEnabled() {
-  static const bool enabled = [] {
-    const char* e = std::getenv("TORCH_TPU_HOST_FIRST");
-    if (!e || !*e || std::string(e) == "1") return true;
-    if (std::string(e) == "0") return false;
-    throw std::invalid_argument(std::string("TORCH_TPU_HOST_FIRST must be 0 or 1, got '") + e + "'");
-  }();
+  static const bool enabled = EnvFlag("TORCH_TPU_HOST_FIRST", true);
   return enabled;
 }
-
-namespace {
-// The integer environment variable `name` (unset or empty: `fallback`);
-// throws std::invalid_argument "<name> must be <expected>, got '<value>'"
-// for anything but a decimal integer in [lo, hi].
-int64_t EnvInteger(const char* name, int64_t fallback, int64_t lo, int64_t hi, const char* expected) {
-  const char* e = std::getenv(name);
-  if (!e || !*e) return fallback;
-  char* end = nullptr;
-  errno = 0;
-  long long n = std::strtoll(e, &end, 10);
-  if (errno != 0 || *end != '\0' || n < lo || n > hi)
-    throw std::invalid_argument(std::string(name) + " must be " + expected + ", got '" + e + "'");
-  return static_cast<int64_t>(n);
-}
-}  // namespace
 
 int64_t HostFirstMaxBytes() {
   static const int64_t limit = EnvInteger("TORCH_TPU_HOST_FIRST_MAX_BYTES", int64_t{4} << 20, 0,

@@ -1,4 +1,5 @@
 #include "runtime/disk_cache.h"
+#include "runtime/env.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/hash.h>
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -31,8 +33,8 @@ std::string DefaultDirectory() {
 }
 
 int64_t DefaultMaxBytes() {
-  if (const char* m = std::getenv("TORCH_TPU_CACHE_MAX_BYTES"); m && *m) return std::atoll(m);
-  return int64_t{2} << 30;
+  return EnvInteger("TORCH_TPU_CACHE_MAX_BYTES", int64_t{2} << 30, 0, std::numeric_limits<int64_t>::max(),
+                    "a non-negative integer (bytes)");
 }
 
 void PutU64(std::string& out, uint64_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof(v)); }

@@ -1,4 +1,5 @@
 #include "runtime/executor.h"
+#include "runtime/env.h"
 
 #include <atomic>
 #include <cstdlib>
@@ -116,10 +117,7 @@ OneProgramScope::~OneProgramScope() { --one_program_depth; }
 int64_t OneProgramCallIndex() { return current_call_index; }
 
 std::atomic<bool>& DeferralFlag() {
-  static std::atomic<bool> on{[] {
-    const char* e = std::getenv("TORCH_TPU_DEFER_BETWEEN_GRAPHS");
-    return !(e && std::string(e) == "0");
-  }()};
+  static std::atomic<bool> on{EnvFlag("TORCH_TPU_DEFER_BETWEEN_GRAPHS", true)};
   return on;
 }
 bool GraphDeferralEnabled() { return DeferralFlag().load(std::memory_order_acquire); }

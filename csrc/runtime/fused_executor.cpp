@@ -45,6 +45,7 @@
 
 #include "lowering/helpers.h"
 #include "runtime/compiled_op.h"
+#include "runtime/env.h"
 #include "runtime/executor.h"
 #include "runtime/graph_program.h"
 
@@ -172,10 +173,8 @@ struct RegionKeyHash {
 // themselves (compile time and memory of one program), inside a
 // multi-tensor op too.
 size_t MaxOps() {
-  static size_t n = [] {
-    const char* e = std::getenv("TORCH_TPU_FUSED_MAX_OPS");
-    return e && *e ? static_cast<size_t>(std::max(1, std::atoi(e))) : size_t{512};
-  }();
+  static size_t n =
+      static_cast<size_t>(EnvInteger("TORCH_TPU_FUSED_MAX_OPS", 512, 1, int64_t{1} << 24, "an integer in [1, 16777216]"));
   return n;
 }
 size_t MaxCallsPerRegion() { return 16 * MaxOps(); }
@@ -188,10 +187,7 @@ size_t MaxCallsPerRegion() { return 16 * MaxOps(); }
 // graphs as separate programs, TORCH_TPU_FUSED_GRAPHS=0: 4 programs, 1.7
 // s). TORCH_TPU_FUSED_GRAPH_BARRIER=0 leaves the region unbarriered.
 bool GraphBarrier() {
-  static const bool on = [] {
-    const char* e = std::getenv("TORCH_TPU_FUSED_GRAPH_BARRIER");
-    return !(e && std::string(e) == "0");
-  }();
+  static const bool on = EnvFlag("TORCH_TPU_FUSED_GRAPH_BARRIER", true);
   return on;
 }
 
@@ -227,16 +223,17 @@ constexpr size_t kMaxStructures = 4096;
 // TORCH_TPU_FUSED_LOOPS=0 turns loop detection off (regions end at sync
 // points and the size bound only, as before it existed).
 bool LoopsEnabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("TORCH_TPU_FUSED_LOOPS");
-    return !(e && std::string(e) == "0");
-  }();
+  static const bool on = EnvFlag("TORCH_TPU_FUSED_LOOPS", true);
   return on;
 }
 
 class FusedExecutor {
  public:
   void Record(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry) {
+    // Fused mode's variables are read at its first call, outside the region
+    // compile's fallback (which would turn a bad value into a warning).
+    static const bool env_read = (MaxOps(), GraphBarrier(), LoopsEnabled(), true);
+    (void)env_read;
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     const size_t num_args = op.schema().arguments().size();
     const size_t first = stack->size() - num_args;

@@ -1,4 +1,5 @@
 #include "runtime/graph_program.h"
+#include "runtime/env.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GeneratorImpl.h>
@@ -530,10 +531,7 @@ namespace {
 // point of the region and launches by itself (as before graph calls joined
 // regions).
 bool FusedGraphsEnabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("TORCH_TPU_FUSED_GRAPHS");
-    return !(e && std::string(e) == "0");
-  }();
+  static const bool on = EnvFlag("TORCH_TPU_FUSED_GRAPHS", true);
   return on;
 }
 }  // namespace
@@ -581,20 +579,29 @@ std::vector<at::Tensor> GraphProgram::Launch(const std::vector<at::Tensor>& inpu
   if (!executable_) Compile();
   auto& rt = Runtime::Get();
   const int device_index = CheckInputs(inputs);
+  // The graph runs after every call recorded before it: a fused region (or
+  // strict mode's calls deferred between graphs) may still hold writes to
+  // these inputs (an optimizer step updating the parameters in place) or
+  // the values of pending ones. Flushed first, so that FeedsAsIs below reads
+  // the buffers the storages will have at the launch (read before the
+  // flush, a storage the flush then rewrote, with another buffer size, was
+  // fed as it was: PJRT "expected parameter 7 of size 104 but got buffer
+  // with incompatible size 320"), and again after the clones (fused mode
+  // records them), so no flush happens in the middle of the loop below: it
+  // could replace (and donate) a buffer already collected (torch.compile
+  // with fused eager mode read stale parameters and, after a donation,
+  // freed memory).
+  FlushPendingWork();
   // Contiguous whole-storage versions of the inputs (kept alive until the
   // launch has been enqueued; PJRT holds the buffers afterwards).
   std::vector<at::Tensor> dense(inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i)
-    dense[i] = FeedsAsIs(static_cast<int>(i), inputs[i]) ? inputs[i] : at::clone(inputs[i], at::MemoryFormat::Contiguous);
-
-  // The graph runs after every call recorded before it: a fused region may
-  // still hold writes to these inputs (an optimizer step updating the
-  // parameters in place) or the values of pending ones. Flushing once here,
-  // before any buffer is taken, also keeps each buffer taken below alive:
-  // a flush in the middle of the loop could replace (and donate) a buffer
-  // already collected (torch.compile with fused eager mode read stale
-  // parameters and, after a donation, freed memory).
-  FlushPendingWork();
+  bool cloned = false;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const bool as_is = FeedsAsIs(static_cast<int>(i), inputs[i]);
+    dense[i] = as_is ? inputs[i] : at::clone(inputs[i], at::MemoryFormat::Contiguous);
+    cloned |= !as_is;
+  }
+  if (cloned) FlushPendingWork();
   std::vector<pjrt::Buffer*> args(params_.size());
   std::vector<std::shared_ptr<pjrt::Buffer>> temps;
   CheckList inherited;  // the inputs' unresolved value checks: the outputs are poisoned by them too

@@ -1,4 +1,5 @@
 #include "runtime/runtime.h"
+#include "runtime/env.h"
 
 #include <c10/util/Exception.h>
 #include <sched.h>
@@ -223,14 +224,8 @@ const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element, bool p
 }
 
 int64_t CpuDeviceCount() {
-  if (const char* e = std::getenv("TORCH_TPU_CPU_DEVICES"); e && *e) {
-    char* end = nullptr;
-    long n = std::strtol(e, &end, 10);
-    if (*end != '\0' || n < 1 || n > 1024)
-      throw std::invalid_argument(std::string("TORCH_TPU_CPU_DEVICES=") + e +
-                                  ": expected the number of CPU plugin devices, an integer from 1 to 1024");
-    return n;
-  }
+  if (const char* e = std::getenv("TORCH_TPU_CPU_DEVICES"); e && *e)
+    return EnvInteger("TORCH_TPU_CPU_DEVICES", 0, 1, 1024, "the number of CPU plugin devices, an integer from 1 to 1024");
   cpu_set_t set;
   int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
   if (cores <= 0) cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import run_python
 
 _PRELUDE = """
@@ -135,6 +137,26 @@ def test_invalid_limit_is_a_clear_error():
                    env={"TORCH_TPU_MAX_CACHED_EXECUTABLES": "lots", "TORCH_TPU_CACHE_DIR": ""})
     assert r.returncode != 0
     assert "TORCH_TPU_MAX_CACHED_EXECUTABLES must be a positive integer, got 'lots'" in r.stderr
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("TORCH_TPU_CACHE_MAX_BYTES", "2G", "must be a non-negative integer (bytes), got '2G'"),
+    ("TORCH_TPU_FUSED_MAX_OPS", "abc", "must be an integer in [1, 16777216], got 'abc'"),
+    ("TORCH_TPU_FUSED_MAX_OPS", "0", "must be an integer in [1, 16777216], got '0'"),
+    ("TORCH_TPU_FUSED_LOOPS", "yes", "must be 0 or 1, got 'yes'"),
+    ("TORCH_TPU_FUSED_GRAPH_BARRIER", "2", "must be 0 or 1, got '2'"),
+    ("TORCH_TPU_RECOMPILE_WARN", "-1", "must be a non-negative integer, got '-1'"),
+])
+def test_invalid_environment_values_are_clear_errors(name, value, message):
+    # Each variable is validated where it is first read (fused mode's at its
+    # first recorded call, outside the region compile's op-by-op fallback,
+    # which would turn the error into a warning): before, atoi/atoll and
+    # "anything but 0" read these silently (FUSED_MAX_OPS=abc was 1).
+    body = ("torch_tpu.set_eager_mode('fused')\n" if name.startswith("TORCH_TPU_FUSED") else "") + \
+        "x = torch.ones(2, device='tpu')\nprint(((x + 1) * 2).cpu(), (x + 1).cpu())"
+    r = run_python(_PRELUDE + body, env={name: value})
+    assert r.returncode != 0, r.stdout
+    assert f"{name} {message}" in r.stderr, r.stderr[-2000:]
 
 
 def test_eviction_while_launches_are_in_flight():
