@@ -314,6 +314,33 @@ def test_recompile_on_new_shape_training():
             torch.testing.assert_close(pt.grad.cpu(), p.grad, atol=1e-6, rtol=1e-4)
 
 
+def test_graph_input_cloned_by_a_bucket_program():
+    """A compiled backward graph whose tangent is not fed as it is (a clone)
+    while the eager ops' shape-polymorphic families are hot: the clone is
+    served by a bucket program and keeps the bucket's rows as its buffer
+    ([5, 5] in 16 x 5 elements); the graph re-buffers it to its parameter's
+    size (before: PJRT "expected parameter 7 of size 104 but got buffer with
+    incompatible size 320", seen when this file ran after the OpInfo files).
+    Gradients as on CPU."""
+    warm = _mlp(1).to(TPU)
+    for n in (1, 2, 3, 6, 9, 11):  # the eager MLP at other batch sizes: families reach kPolyAfter
+        for p in warm.parameters():
+            p.grad = None
+        warm(torch.randn(n, 16).to(TPU)).square().mean().backward()
+        torch_tpu.metrics()  # queued compiles done: later calls run the (bucket) programs
+    m = _mlp()
+    mt = copy.deepcopy(m).to(TPU)
+    f = torch.compile(mt, backend="tpu")
+    for n in (4, 7, 5):
+        x = torch.randn(n, 16)
+        for p in list(m.parameters()) + list(mt.parameters()):
+            p.grad = None
+        f(x.to(TPU)).square().mean().backward()
+        m(x).square().mean().backward()
+        for p, pt in zip(m.parameters(), mt.parameters()):
+            torch.testing.assert_close(pt.grad.cpu(), p.grad, atol=1e-6, rtol=1e-4)
+
+
 # --- random ops --------------------------------------------------------------------
 
 def test_dropout_in_graph():
