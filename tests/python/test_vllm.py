@@ -243,10 +243,12 @@ def test_llm_generate_matches_hf(arch, mode, tmp_path):
         assert tok in by_tok, (i, entry, tok)
         assert abs(by_tok[tok] - lp) <= 1e-4 * max(1.0, abs(lp)), (i, by_tok[tok], lp)
     if mode == "compiled":
-        # the forward: token buckets 16, 32, 64 (max_num_batched_tokens=64);
-        # the logits program: one per (token bucket T, batch bucket B <= T),
-        # B in 1..16 (max_num_seqs=16): 3 x 5. None op by op, all at start-up
-        assert res["warm_programs"] == 3 + 3 * 5, res["warm_programs"]
+        # the forward: one per (token bucket, block bucket), token buckets
+        # 16, 32, 64 (max_num_batched_tokens=64), block buckets 1, 4, 16
+        # (max_model_len 256 / block_size 16): 3 x 3; the logits program: one
+        # per (token bucket T, batch bucket B <= T), B in 1..16
+        # (max_num_seqs=16): 3 x 5. None op by op, all at start-up
+        assert res["warm_programs"] == 3 * 3 + 3 * 5, res["warm_programs"]
         assert s1["programs"] == res["warm_programs"] and s1["eager_graphs"] == 0, s1
     else:
         assert s1["programs"] == 0

@@ -378,9 +378,12 @@ class TPUModelRunner(CPUModelRunner):
             from vllm.compilation.counter import compilation_counter
 
             backend = self.compilation_config.init_backend(self.vllm_config)
-            # One Dynamo cache entry per token bucket and per (token, batch)
-            # bucket pair of the logits program (and a few spare).
-            limit = len(self.token_buckets) * (1 + len(self.batch_buckets)) + 8
+            # One Dynamo cache entry per (token, block) bucket pair of the
+            # forward and per (token, batch) bucket pair of the logits
+            # program (and a few spare).
+            max_blocks = -(-self.model_config.max_model_len // self.cache_config.block_size)
+            limit = len(self.token_buckets) * (len(buckets.block_buckets(max_blocks))
+                                               + len(self.batch_buckets)) + 8
             torch._dynamo.config.cache_size_limit = max(
                 torch._dynamo.config.cache_size_limit, limit)
             torch._dynamo.config.accumulated_cache_size_limit = max(
@@ -537,21 +540,34 @@ class TPUModelRunner(CPUModelRunner):
         return super()._sample(logits, spec_decode_metadata)
 
     def warm_up_buckets(self) -> dict:
-        """Run one dummy step per token bucket (with attention metadata, so the
-        paged attention is in the program) and the logits program per (token
-        bucket T, batch bucket B <= T) pair; returns {"token_buckets",
-        "batch_buckets", "seconds"}."""
+        """Run one dummy step per (token bucket, block bucket) pair (with
+        attention metadata, so the paged attention is in the program; the
+        block-table width forced through
+        ``TPUPagedAttentionMetadataBuilder.warm_up_blocks``) and the logits
+        program per (token bucket T, batch bucket B <= T) pair; returns
+        {"token_buckets", "block_buckets", "batch_buckets", "seconds"}."""
         import time
 
         from vllm.config import CUDAGraphMode
 
+        from torch_tpu.vllm.attention import TPUPagedAttentionMetadataBuilder as Builder
+
         t0 = time.perf_counter()
         hidden = self.model_config.get_hidden_size()
-        for n in self.token_buckets:
-            if n > self.scheduler_config.max_num_batched_tokens:
-                n = self.scheduler_config.max_num_batched_tokens  # pads to the same bucket
-            self._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
-                            allow_microbatching=False, skip_eplb=True)
+        block_buckets = sorted({nb for groups in self.attn_groups for g in groups
+                                for b in g.metadata_builders if isinstance(b, Builder)
+                                for nb in b.block_buckets}) or [None]
+        try:
+            for n in self.token_buckets:
+                if n > self.scheduler_config.max_num_batched_tokens:
+                    n = self.scheduler_config.max_num_batched_tokens  # pads to the same bucket
+                for nb in block_buckets:  # the forward: every (token, block) bucket pair
+                    Builder.warm_up_blocks = nb
+                    self._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                    force_attention=True, allow_microbatching=False,
+                                    skip_eplb=True)
+        finally:
+            Builder.warm_up_blocks = None
         with torch.inference_mode():  # as execute_model: Dynamo guards on grad mode
             for t in self.token_buckets:  # the logits program: every (T, B <= T) pair
                 h = torch.zeros(t, hidden, dtype=self.model_config.dtype, device=TPU)
@@ -563,9 +579,9 @@ class TPUModelRunner(CPUModelRunner):
             for b in self.batch_buckets:
                 self._zero_block_ids([0] * b)  # the null block: nothing real is zeroed
         seconds = time.perf_counter() - t0
-        logger.info("torch_tpu: warmed up token buckets %s and batch buckets %s in %.1f s",
-                    self.token_buckets, self.batch_buckets, seconds)
-        return {"token_buckets": list(self.token_buckets),
+        logger.info("torch_tpu: warmed up token buckets %s, block buckets %s and batch buckets "
+                    "%s in %.1f s", self.token_buckets, block_buckets, self.batch_buckets, seconds)
+        return {"token_buckets": list(self.token_buckets), "block_buckets": block_buckets,
                 "batch_buckets": list(self.batch_buckets), "seconds": seconds}
 
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
