@@ -153,6 +153,13 @@ def _serve_round(serve_vllm, url, model, prompts, new_tokens, timeline, reps=3):
             (new_tokens / t1, statistics.median(rates["threads"]))}
 
 
+def _load(when: str) -> None:
+    """Prints the load average (wall-clock figures on a shared machine move
+    with it)."""
+    print(f"# load average {when}: " + " ".join(f"{x:.2f}" for x in os.getloadavg()),
+          flush=True)
+
+
 def _timeline(path: str) -> list:
     """The model runner's per-step records (torch_tpu/vllm/worker.py,
     TORCH_TPU_VLLM_TIMELINE)."""
@@ -311,11 +318,14 @@ def main() -> None:
     if args.startup_only:
         _print_startup(start, phases)
         return
+    _load("after the server")
     rows["vLLM on tpu (offline LLM.generate, compiled)"] = _offline_round(
         model, prompts, args.new_tokens)
 
     import torch_tpu  # noqa: F401
+    _load("after the offline engine")
     rows["HF generate() on tpu, batched"] = _hf_round(model, "tpu", prompts, args.new_tokens)
+    _load("after HF on tpu")
     rows["HF generate() on CPU, batched"] = _hf_round(model, "cpu", prompts, args.new_tokens)
 
     base = rows["HF generate() on tpu, batched"]
