@@ -545,7 +545,14 @@ class TPUModelRunner(CPUModelRunner):
         block-table width forced through
         ``TPUPagedAttentionMetadataBuilder.warm_up_blocks``) and the logits
         program per (token bucket T, batch bucket B <= T) pair; returns
-        {"token_buckets", "block_buckets", "batch_buckets", "seconds"}."""
+        {"token_buckets", "block_buckets", "batch_buckets", "seconds"}.
+
+        Eager (``enforce_eager``), all of it twice, and the block zeroing
+        twice in both modes: torch_tpu's strict executor serves a per-op
+        key's first call on the host and compiles at its second
+        (``TORCH_TPU_HOST_FIRST_COMPILE_AFTER``, default 2; docs/design.md
+        "Host-first calls"), so a shape met once here would compile while
+        serving. A compiled graph compiles at its first call."""
         import time
 
         from vllm.config import CUDAGraphMode
@@ -557,27 +564,31 @@ class TPUModelRunner(CPUModelRunner):
         block_buckets = sorted({nb for groups in self.attn_groups for g in groups
                                 for b in g.metadata_builders if isinstance(b, Builder)
                                 for nb in b.block_buckets}) or [None]
+        passes = 1 if self.tpu_compiled else 2
         try:
-            for n in self.token_buckets:
-                if n > self.scheduler_config.max_num_batched_tokens:
-                    n = self.scheduler_config.max_num_batched_tokens  # pads to the same bucket
-                for nb in block_buckets:  # the forward: every (token, block) bucket pair
-                    Builder.warm_up_blocks = nb
-                    self._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                    force_attention=True, allow_microbatching=False,
-                                    skip_eplb=True)
+            for _ in range(passes):
+                for n in self.token_buckets:
+                    if n > self.scheduler_config.max_num_batched_tokens:
+                        n = self.scheduler_config.max_num_batched_tokens  # the same bucket
+                    for nb in block_buckets:  # the forward: every (token, block) bucket pair
+                        Builder.warm_up_blocks = nb
+                        self._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                        force_attention=True, allow_microbatching=False,
+                                        skip_eplb=True)
         finally:
             Builder.warm_up_blocks = None
         with torch.inference_mode():  # as execute_model: Dynamo guards on grad mode
-            for t in self.token_buckets:  # the logits program: every (T, B <= T) pair
-                h = torch.zeros(t, hidden, dtype=self.model_config.dtype, device=TPU)
+            for _ in range(passes):
+                for t in self.token_buckets:  # the logits program: every (T, B <= T) pair
+                    h = torch.zeros(t, hidden, dtype=self.model_config.dtype, device=TPU)
+                    for b in self.batch_buckets:
+                        if b <= t:
+                            ids = self._logits_program(h, torch.zeros(b, dtype=torch.int64,
+                                                                      device=TPU))[1]
+                    ids.cpu()
+            for _ in range(2):
                 for b in self.batch_buckets:
-                    if b <= t:
-                        ids = self._logits_program(h, torch.zeros(b, dtype=torch.int64,
-                                                                  device=TPU))[1]
-                ids.cpu()
-            for b in self.batch_buckets:
-                self._zero_block_ids([0] * b)  # the null block: nothing real is zeroed
+                    self._zero_block_ids([0] * b)  # the null block: nothing real is zeroed
         seconds = time.perf_counter() - t0
         logger.info("torch_tpu: warmed up token buckets %s, block buckets %s and batch buckets "
                     "%s in %.1f s", self.token_buckets, block_buckets, self.batch_buckets, seconds)
