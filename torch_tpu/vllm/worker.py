@@ -182,7 +182,7 @@ class _DeviceHidden:
             if isinstance(key, torch.Tensor) and key.dim() == 1 and key.device.type == "cpu" \
                     and key.dtype in (torch.int32, torch.int64) and key.numel() > 0 \
                     and int(key.min()) >= 0 and int(key.max()) < self.n:
-                return _DeviceHidden(self.padded, self.n, key.to(torch.int64))
+                return _DeviceHidden(self.padded, self.n, key.to(torch.int64, copy=True))
             if isinstance(key, slice) and key.step in (None, 1) and key.start in (None, 0):
                 r = range(self.n)[key]
                 if r.start == 0 and r.step == 1:
