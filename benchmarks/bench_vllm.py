@@ -153,6 +153,13 @@ def _serve_round(serve_vllm, url, model, prompts, new_tokens, timeline, reps=3):
             (new_tokens / t1, statistics.median(rates["threads"]))}
 
 
+def _load(when: str) -> None:
+    """Prints the load average (wall-clock figures on a shared machine move
+    with it)."""
+    print(f"# load average {when}: " + " ".join(f"{x:.2f}" for x in os.getloadavg()),
+          flush=True)
+
+
 def _timeline(path: str) -> list:
     """The model runner's per-step records (torch_tpu/vllm/worker.py,
     TORCH_TPU_VLLM_TIMELINE)."""
@@ -311,11 +318,14 @@ def main() -> None:
     if args.startup_only:
         _print_startup(start, phases)
         return
+    _load("after the server")
     rows["vLLM on tpu (offline LLM.generate, compiled)"] = _offline_round(
         model, prompts, args.new_tokens)
 
     import torch_tpu  # noqa: F401
+    _load("after the offline engine")
     rows["HF generate() on tpu, batched"] = _hf_round(model, "tpu", prompts, args.new_tokens)
+    _load("after HF on tpu")
     rows["HF generate() on CPU, batched"] = _hf_round(model, "cpu", prompts, args.new_tokens)
 
     base = rows["HF generate() on tpu, batched"]
@@ -374,7 +384,7 @@ def _startup_phases(log_path: str, wall0: float, ready: float, first: float) -> 
 def _print_startup(start: dict, phases: dict) -> None:
     print(f"\n| vllm serve start to first token | cold cache | warm cache | cold / warm |")
     print("|---|---|---|---|")
-    print(f"| tiny Llama, {len(_buckets())} buckets | {start['cold']:.1f} s | "
+    print(f"| tiny Llama, {_programs()} bucket programs | {start['cold']:.1f} s | "
           f"{start['warm']:.1f} s | {start['cold'] / start['warm']:.2f}x |")
     for name in phases["cold"]:
         c, w = phases["cold"][name], phases["warm"].get(name, float("nan"))
@@ -386,9 +396,13 @@ def _print_startup(start: dict, phases: dict) -> None:
               f"{c / w:.2f}x |")
 
 
-def _buckets():
+def _programs() -> int:
+    """The server's compiled programs (its limits: 256 batched tokens, 16
+    sequences, 256 positions in blocks of 16): the forward per (token, block)
+    bucket pair, the logits program per (token, batch <= token) pair."""
     from torch_tpu.vllm import buckets
-    return buckets.token_buckets(256) + buckets.batch_buckets(16)
+    tok, blk, bat = buckets.token_buckets(256), buckets.block_buckets(16), buckets.batch_buckets(16)
+    return len(tok) * len(blk) + sum(1 for t in tok for b in bat if b <= t)
 
 
 if __name__ == "__main__":

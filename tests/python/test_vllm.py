@@ -79,6 +79,7 @@ def _child(model_dir: str, out_path: str, mode: str) -> None:
     o2 = llm.generate([TokensPrompt(prompt_token_ids=prompts[1])], lp, use_tqdm=False)
     d2h2 = torch_tpu.metrics()["device_to_host_bytes"]
     res["vocab"] = vocab
+    res["hidden"] = llm.llm_engine.model_config.get_hidden_size()
     res["greedy_d2h"] = [d2h1 - d2h0, d2h2 - d2h1]
     res["greedy_again"] = list(o[0].outputs[0].token_ids)
     res["logprobs_tokens"] = list(o2[0].outputs[0].token_ids)
@@ -130,6 +131,14 @@ def _child(model_dir: str, out_path: str, mode: str) -> None:
     res["many_graph_stats"] = [before[1], dict(torch_tpu._dynamo.stats)]
     res["metrics"] = {k: v for k, v in torch_tpu.metrics().items()
                       if isinstance(v, (int, float, dict))}
+    # prompt logprobs read the step's hidden states of every prompt token
+    # (the runner's host fallback of the hidden states kept on tpu); last,
+    # as its 40 rows compile the logits program of a 64-row bucket
+    o = llm.generate([TokensPrompt(prompt_token_ids=prompts[3])],
+                     SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+                     use_tqdm=False)
+    res["prompt_logprobs"] = [None if d is None else [[t, lp.logprob] for t, lp in d.items()]
+                              for d in o[0].prompt_logprobs]
     with open(out_path, "w") as f:
         json.dump(res, f)
 
@@ -161,6 +170,18 @@ def _hf_greedy(model_dir: str, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def _hf_prompt_logprobs(model_dir: str, prompt: list[int]) -> list[tuple[int, float]]:
+    """(token, its log-probability given the tokens before it) for every
+    prompt token after the first, from HF's logits on CPU."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0]
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return [(prompt[i + 1], lp[i, prompt[i + 1]].item()) for i in range(len(prompt) - 1)]
+
+
 def _run_child(model_dir: str, tmp_path, mode: str) -> dict:
     out = tmp_path / "result.json"
     env = dict(os.environ, TORCH_TPU_VLLM="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -190,6 +211,11 @@ def test_llm_generate_matches_hf(arch, mode, tmp_path):
     row = 4 * res["vocab"]
     fast, host = res["greedy_d2h"]
     assert fast < 12 * row // 2, res["greedy_d2h"]
+    # and, compiled, the hidden states stay on tpu between the forward and
+    # the logits program: less than one hidden row (float32) per step comes
+    # back (eager mode's per-op executor copies more for other reasons)
+    if mode == "compiled":
+        assert fast < 12 * 4 * res["hidden"], res["greedy_d2h"]
     assert host >= 12 * row, res["greedy_d2h"]
     assert res["greedy_again"] == res["greedy"][1]
     assert res["logprobs_tokens"] == res["greedy"][1] and res["logprobs_n"] == 12
@@ -207,10 +233,22 @@ def test_llm_generate_matches_hf(arch, mode, tmp_path):
     s0, s1 = res["many_graph_stats"]
     assert c1 == c0, f"{c1 - c0} compiles during 100 requests after warm-up"
     assert s1 == s0, (s0, s1)
+    # prompt logprobs (vLLM's host path over the hidden states) equal HF's
+    # log_softmax on CPU for every prompt token after the first
+    expected = _hf_prompt_logprobs(model_dir, res["prompts"][3])
+    got = res["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(expected) + 1
+    for i, (entry, (tok, lp)) in enumerate(zip(got[1:], expected)):
+        by_tok = dict((t, v) for t, v in entry)
+        assert tok in by_tok, (i, entry, tok)
+        assert abs(by_tok[tok] - lp) <= 1e-4 * max(1.0, abs(lp)), (i, by_tok[tok], lp)
     if mode == "compiled":
-        # token buckets 16, 32, 64 (max_num_batched_tokens=64) + batch buckets
-        # 1..16 (max_num_seqs=16): one program each, none op by op, all at start-up
-        assert res["warm_programs"] == 3 + 5, res["warm_programs"]
+        # the forward: one per (token bucket, block bucket), token buckets
+        # 16, 32, 64 (max_num_batched_tokens=64), block buckets 1, 4, 16
+        # (max_model_len 256 / block_size 16): 3 x 3; the logits program: one
+        # per (token bucket T, batch bucket B <= T), B in 1..16
+        # (max_num_seqs=16): 3 x 5. None op by op, all at start-up
+        assert res["warm_programs"] == 3 * 3 + 3 * 5, res["warm_programs"]
         assert s1["programs"] == res["warm_programs"] and s1["eager_graphs"] == 0, s1
     else:
         assert s1["programs"] == 0

@@ -102,3 +102,17 @@ def test_paged_attention_matches_reference():
     flat = kv.cpu().view(NB * BS, 2, HKV, D)
     torch.testing.assert_close(flat[torch.tensor(slots), 0], k[:T])
     torch.testing.assert_close(flat[torch.tensor(slots), 1], v[:T])
+
+
+def test_block_buckets():
+    """Paged attention reads the block bucket of the step's longest sequence:
+    powers of four blocks, the last capped at max_model_len's blocks."""
+    from torch_tpu.vllm import buckets
+
+    assert buckets.block_buckets(1) == [1]
+    assert buckets.block_buckets(16) == [1, 4, 16]
+    assert buckets.block_buckets(20) == [1, 4, 16, 20]
+    assert buckets.block_buckets(64) == [1, 4, 16, 64]
+    assert [buckets.pad_to(n, [1, 4, 16, 20]) for n in (1, 2, 4, 5, 17, 20)] == [1, 4, 4, 16, 20, 20]
+    with pytest.raises(ValueError):
+        buckets.block_buckets(0)

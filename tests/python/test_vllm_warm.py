@@ -7,7 +7,9 @@ turns torch_tpu's Dynamo-level compile cache on (torch_tpu/vllm/worker.py,
 torch_tpu/_precompile.py). Checks:
 
 - the first (cold) start traces and compiles every bucket: Dynamo's
-  ``unique_graphs`` counter is 3 token buckets + 5 batch buckets, and every
+  ``unique_graphs`` counter is 3 x 3 (token bucket, block bucket) pairs of
+  the forward + 3 x 5 (token bucket, batch bucket) pairs of the logits
+  program, and every
   XLA executable is compiled (disk cache misses, no hits);
 - the second (warm) start traces nothing (``unique_graphs`` 0: the graphs
   of every bucket come from the saved entries) and compiles nothing (every
@@ -116,9 +118,10 @@ def test_second_start_traces_and_compiles_nothing(tmp_path):
     cold = _start(model_dir, cache, tmp_path / "cold.json")
     warm = _start(model_dir, cache, tmp_path / "warm.json")
 
-    # cold: every bucket traced (3 token buckets for 64 batched tokens, 5
-    # batch buckets for 16 sequences), every executable compiled
-    assert cold["start"]["unique_graphs"] == 3 + 5, cold["start"]
+    # cold: every bucket traced (3 token buckets for 64 batched tokens, 3
+    # block buckets for 256 positions, 5 batch buckets for 16 sequences),
+    # every executable compiled
+    assert cold["start"]["unique_graphs"] == 3 * 3 + 3 * 5, cold["start"]
     assert cold["start"]["disk_cache_misses"] > 0 and cold["start"]["disk_cache_hits"] == 0
     saved = os.listdir(os.path.join(cache, "dynamo"))
     assert saved, "no Dynamo-level entries were saved"

@@ -56,7 +56,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     query: [T, Hq, D] (the step's tokens, padded to a token bucket);
     kv_cache: [num_blocks, block_size, 2, Hkv, D] (Hq a multiple of Hkv);
     token_block_table: [T, nb] int64, the block table row of each token's
-    request (nb blocks cover max_model_len);
+    request (its first nb blocks: nb, the step's block bucket, covers the
+    step's longest sequence);
     token_pos: [T] int64, each token's absolute position in its sequence.
     Token t attends to the keys at positions <= token_pos[t] of its request
     (its own K/V must already be written: :func:`write_kv` first).  Padding
@@ -91,7 +92,7 @@ class TPUAttentionMetadata:
     num_actual_tokens: int            # before padding
     num_padded_tokens: int            # the token bucket T
     slot_mapping: torch.Tensor        # [T] int64, tpu; padding -> slot 0 (null block)
-    token_block_table: torch.Tensor   # [T, nb] int64, tpu
+    token_block_table: torch.Tensor   # [T, nb] int64, tpu; nb a block bucket
     token_pos: torch.Tensor           # [T] int64, tpu
 
 
@@ -104,6 +105,11 @@ class TPUPagedAttentionMetadataBuilder(AttentionMetadataBuilder[TPUAttentionMeta
         self.token_buckets, _ = buckets.for_config(vllm_config)
         max_len = vllm_config.model_config.max_model_len
         self.num_blocks_per_seq = -(-max_len // self.block_size)
+        self.block_buckets = buckets.block_buckets(self.num_blocks_per_seq)
+
+    # Set by the model runner's warm-up: the block-table width to build
+    # (one of block_buckets), whatever the dummy step's sequence lengths.
+    warm_up_blocks: ClassVar[int | None] = None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TPUAttentionMetadata:
@@ -115,13 +121,17 @@ class TPUPagedAttentionMetadataBuilder(AttentionMetadataBuilder[TPUAttentionMeta
         B = m.num_reqs
         T = m.num_actual_tokens
         Tp = buckets.pad_to(T, self.token_buckets)
-        nb = self.num_blocks_per_seq
         qsl = m.query_start_loc_cpu[: B + 1].to(torch.int64)
         seq_lens = m.seq_lens[:B].to("cpu", torch.int64)
         q_lens = qsl[1:] - qsl[:-1]
-        if B and int(seq_lens.max()) > nb * self.block_size:
-            raise ValueError(f"torch_tpu paged attention: a sequence of {int(seq_lens.max())} "
-                             f"positions exceeds max_model_len's {nb * self.block_size}")
+        longest = int(seq_lens.max()) if B else 0
+        if longest > self.num_blocks_per_seq * self.block_size:
+            raise ValueError(f"torch_tpu paged attention: a sequence of {longest} positions "
+                             f"exceeds max_model_len's {self.num_blocks_per_seq * self.block_size}")
+        # The step's block bucket: its longest sequence's blocks, padded
+        # (every token's keys lie within them); the warm-up picks it.
+        nb = self.warm_up_blocks or buckets.pad_to(max(1, -(-longest // self.block_size)),
+                                                    self.block_buckets)
         req = torch.repeat_interleave(torch.arange(B), q_lens)          # [T]
         within = torch.arange(T) - qsl[req]
         pos = torch.zeros(Tp, dtype=torch.int64)

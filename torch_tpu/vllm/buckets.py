@@ -8,7 +8,13 @@ one; after the start-up warm-up (one compile per bucket) no step compiles.
   one >= ``max_num_batched_tokens`` (vLLM's scheduler never schedules more
   tokens in a step);
 * batch buckets (``compute_logits``, one row per request): powers of two
-  from 1 up to the first one >= ``max_num_seqs``.
+  from 1 up to the first one >= ``max_num_seqs``;
+* block buckets (paged attention's per-token block-table width, i.e. how
+  many K/V positions each token's attention reads: blocks x block_size):
+  powers of four from 1 block, the last one capped at the blocks of
+  ``max_model_len``. A step reads the bucket of its longest sequence, not
+  the whole ``max_model_len`` (a factor of four, not two, to keep the
+  forward's programs -- one per (token bucket, block bucket) pair -- few).
 
 A count above the largest bucket (which the scheduler does not produce; the
 runner's prompt-logprobs path can) is padded to the next power of two: still
@@ -41,6 +47,19 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     return _powers_of_two(1, max_num_seqs)
+
+
+def block_buckets(max_blocks: int) -> list[int]:
+    """Block-table width buckets for sequences of at most ``max_blocks``
+    blocks: 1, 4, 16, ... up to the first >= max_blocks, capped at it."""
+    if max_blocks < 1:
+        raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+    out, n = [], 1
+    while n < max_blocks:
+        out.append(n)
+        n *= 4
+    out.append(max_blocks)
+    return out
 
 
 def pad_to(n: int, buckets: list[int]) -> int:

@@ -8,8 +8,9 @@ What runs where (see docs/serving.md):
 * on the host (CPU tensors, as vLLM's CPU runner keeps them): the runner's
   bookkeeping -- input batch, block tables, slot mappings, positions -- and
   vLLM's sampler when a step needs more than greedy argmax.  Inputs move to
-  ``tpu`` at the model boundary and the hidden states come back; the logits
-  program also computes each row's argmax, so a step whose requests are all
+  ``tpu`` at the model boundary; inside ``execute_model`` the hidden states
+  stay on ``tpu`` (:class:`_DeviceHidden`) and the logits program gathers
+  the sampled rows itself; it also computes each row's argmax, so a step whose requests are all
   greedy (no logprobs, penalties, bad words, allowed-token masks, logit bias
   or min-tokens) copies back only the sampled token ids (``[B]`` int64)
   instead of the ``[B, vocab]`` logits (:meth:`TPUModelRunner._sample`).
@@ -113,21 +114,89 @@ def _pad_forward_context(ctx, n: int, padded: int) -> None:
 
 
 class _LogitsAndArgmax:
-    """``(compute_logits(hidden_states), its row argmax)`` in one program
-    (vLLM's greedy_sample takes the first max, as ``argmax`` does), for the
-    model's own ``compute_logits`` (the bound method, kept before the runner
-    replaces the model's attribute with its wrapper). A method, compiled as
-    ``self.__call__``: torch_tpu's compile cache saves the guards reached
-    from ``self`` (and re-checks the identity of ``compute_logits.__func__``
-    when a later process loads them), not those reached through a closure
-    cell or from another argument (torch_tpu/_precompile.py)."""
+    """``(compute_logits(hidden_states[rows]), its row argmax)`` in one
+    program (vLLM's greedy_sample takes the first max, as ``argmax`` does),
+    for the model's own ``compute_logits`` (the bound method, kept before
+    the runner replaces the model's attribute with its wrapper).
+
+    hidden_states: ``[T, hidden]`` on tpu, the forward program's padded
+    output (T a token bucket); rows: ``[B]`` int64 on tpu, the rows to
+    compute logits for (B a batch bucket; every value in ``[0, T)``, checked
+    by the caller). Returns logits ``[B, vocab]`` and argmax ``[B]`` int64.
+    The row gather is in the program, so the hidden states never leave tpu
+    between the forward and the logits (one program per (T, B) pair, B <= T).
+
+    A method, compiled as ``self.__call__``: torch_tpu's compile cache saves
+    the guards reached from ``self`` (and re-checks the identity of
+    ``compute_logits.__func__`` when a later process loads them), not those
+    reached through a closure cell or from another argument
+    (torch_tpu/_precompile.py)."""
 
     def __init__(self, compute_logits):
         self.compute_logits = compute_logits
 
-    def __call__(self, hidden_states, *args, **kwargs):
-        logits = self.compute_logits(hidden_states, *args, **kwargs)
+    def __call__(self, hidden_states, rows):
+        logits = self.compute_logits(hidden_states.index_select(0, rows))
         return logits, logits.argmax(dim=-1)
+
+
+def _host_args(x: Any) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.host() if isinstance(v, _DeviceHidden) else v, x)
+
+
+class _DeviceHidden:
+    """The hidden states of a step's forward, left on tpu for the logits
+    program: ``padded`` ``[T, hidden]`` (T the step's token bucket), the real
+    tokens its first ``n`` rows, ``rows`` (host int64 ``[B]``, every value in
+    ``[0, n)``) the rows selected, or None for all ``n``.
+
+    What vLLM's ``execute_model`` does with a forward's output is
+    ``hidden_states[logits_indices]`` (a 1-D integer index: kept lazy, here)
+    then ``compute_logits`` of that (the runner's wrapper runs the gather in
+    the logits program), and ``hidden_states[:num_scheduled_tokens]`` for
+    prompt logprobs (a prefix slice: kept lazy). Anything else -- another
+    index, an attribute, a torch function -- gets the host tensor
+    (``padded.cpu()[:n][rows]``, copied once), so code that reads the hidden
+    states sees the same values as before, only later."""
+
+    def __init__(self, padded: torch.Tensor, n: int, rows: torch.Tensor | None = None):
+        self.padded, self.n, self.rows, self._host = padded, n, rows, None
+
+    def host(self) -> torch.Tensor:
+        if self._host is None:
+            h = self.padded.cpu()[:self.n]
+            self._host = h if self.rows is None else h[self.rows]
+        return self._host
+
+    def __len__(self) -> int:
+        return self.n if self.rows is None else int(self.rows.shape[0])
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self), *self.padded.shape[1:]))
+
+    def __getitem__(self, key):
+        if self.rows is None:
+            if isinstance(key, torch.Tensor) and key.dim() == 1 and key.device.type == "cpu" \
+                    and key.dtype in (torch.int32, torch.int64) and key.numel() > 0 \
+                    and int(key.min()) >= 0 and int(key.max()) < self.n:
+                return _DeviceHidden(self.padded, self.n, key.to(torch.int64, copy=True))
+            if isinstance(key, slice) and key.step in (None, 1) and key.start in (None, 0):
+                r = range(self.n)[key]
+                if r.start == 0 and r.step == 1:
+                    return _DeviceHidden(self.padded, len(r))
+        return self.host()[key]
+
+    def __getattr__(self, name):  # only for names not found above
+        if name.startswith("__") or name in ("padded", "n", "rows", "_host"):
+            raise AttributeError(name)
+        return getattr(self.host(), name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return func(*_host_args(args), **_host_args(kwargs or {}))
 
 
 def _enable_compile_cache() -> bool:
@@ -270,10 +339,13 @@ class TPUModelRunner(CPUModelRunner):
         """Load the model on tpu and wrap it at its boundary.
 
         ``forward`` pads the step's tokens to the next token bucket
-        (torch_tpu.vllm.buckets), moves them to tpu, runs the model and
-        brings the hidden states of the real tokens back; ``compute_logits``
-        pads its rows to the next batch bucket and computes the logits and
-        their row argmax in one program.  Inside :meth:`execute_model` it
+        (torch_tpu.vllm.buckets), moves them to tpu and runs the model;
+        inside :meth:`execute_model` it returns the padded hidden states
+        still on tpu (:class:`_DeviceHidden`), elsewhere those of the real
+        tokens on the host. ``compute_logits`` pads its row indices to the
+        next batch bucket and gathers the rows, computes their logits and
+        the row argmax in one program (:class:`_LogitsAndArgmax`, one per
+        (token bucket, batch bucket) pair).  Inside :meth:`execute_model` it
         returns the logits on tpu (``[B, vocab]``, not copied) and keeps the
         argmax for :meth:`_sample`; elsewhere (prompt logprobs, dummy runs)
         it returns them on the host.  Under
@@ -306,8 +378,12 @@ class TPUModelRunner(CPUModelRunner):
             from vllm.compilation.counter import compilation_counter
 
             backend = self.compilation_config.init_backend(self.vllm_config)
-            # One Dynamo cache entry per bucket (and a few spare).
-            limit = len(self.token_buckets) + len(self.batch_buckets) + 8
+            # One Dynamo cache entry per (token, block) bucket pair of the
+            # forward and per (token, batch) bucket pair of the logits
+            # program (and a few spare).
+            max_blocks = -(-self.model_config.max_model_len // self.cache_config.block_size)
+            limit = len(self.token_buckets) * (len(buckets.block_buckets(max_blocks))
+                                               + len(self.batch_buckets)) + 8
             torch._dynamo.config.cache_size_limit = max(
                 torch._dynamo.config.cache_size_limit, limit)
             torch._dynamo.config.accumulated_cache_size_limit = max(
@@ -317,6 +393,15 @@ class TPUModelRunner(CPUModelRunner):
             forward = _CompileOnFirstCall(forward, backend)
             compute_logits = _CompileOnFirstCall(compute_logits, backend)
         token_buckets, batch_buckets = self.token_buckets, self.batch_buckets
+        self._logits_program = compute_logits
+        # The hidden states stay on tpu between the forward and the logits
+        # program inside execute_model (_DeviceHidden), unless the runner
+        # reads them for more than logits (pooling, speculative decoding,
+        # auxiliary hidden states) or TORCH_TPU_VLLM_HIDDEN_ON_TPU=0.
+        self.hidden_on_tpu = (
+            os.environ.get("TORCH_TPU_VLLM_HIDDEN_ON_TPU", "1") != "0"
+            and not self.is_pooling_model and self.speculative_config is None
+            and not getattr(self, "use_aux_hidden_state_outputs", False))
 
         @functools.wraps(model.forward)
         def forward_on_tpu(input_ids=None, positions=None, intermediate_tensors=None,
@@ -338,6 +423,9 @@ class TPUModelRunner(CPUModelRunner):
             t0 = time.perf_counter()
             out = forward(ids.to(TPU), pos.to(TPU), **kwargs)
             if isinstance(out, torch.Tensor):
+                if runner._in_execute_model and runner.hidden_on_tpu:
+                    runner._mark("forward", t0, tokens=n, bucket=padded)  # the launch
+                    return _DeviceHidden(out, n)
                 out = out.cpu()[:n]
                 runner._mark("forward", t0, tokens=n, bucket=padded)
                 return out
@@ -346,13 +434,27 @@ class TPUModelRunner(CPUModelRunner):
 
         @functools.wraps(model.compute_logits)
         def compute_logits_on_tpu(hidden_states, *args, **kwargs):
-            n = hidden_states.shape[0]
+            if args or kwargs:
+                raise NotImplementedError(
+                    "torch_tpu vLLM: compute_logits with arguments other than the hidden states")
+            if isinstance(hidden_states, _DeviceHidden):  # this step's forward, on tpu
+                src, n = hidden_states.padded, len(hidden_states)
+                rows = hidden_states.rows if hidden_states.rows is not None else \
+                    torch.arange(n, dtype=torch.int64)
+            else:  # host hidden states (dummy runs, prompt logprobs)
+                hidden_states = hidden_states.cpu()
+                n = hidden_states.shape[0]
+                src = torch.zeros((buckets.pad_to(n, token_buckets), *hidden_states.shape[1:]),
+                                  dtype=hidden_states.dtype)
+                src[:n] = hidden_states
+                src = src.to(TPU)
+                rows = torch.arange(n, dtype=torch.int64)
             padded = buckets.pad_to(n, batch_buckets)
-            h = torch.zeros((padded, *hidden_states.shape[1:]), dtype=hidden_states.dtype)
-            h[:n] = hidden_states
+            idx = torch.zeros(padded, dtype=torch.int64)  # padding rows read row 0
+            idx[:n] = rows
             t0 = time.perf_counter()
-            logits, ids = compute_logits(h.to(TPU), *args, **kwargs)
-            runner._mark("logits", t0, rows=n, bucket=padded)
+            logits, ids = compute_logits(src, idx.to(TPU))
+            runner._mark("logits", t0, rows=n, bucket=padded, tokens_bucket=src.shape[0])
             if logits is None:
                 return None
             if not runner._in_execute_model:
@@ -438,28 +540,59 @@ class TPUModelRunner(CPUModelRunner):
         return super()._sample(logits, spec_decode_metadata)
 
     def warm_up_buckets(self) -> dict:
-        """Run one dummy step per token bucket (with attention metadata, so the
-        paged attention is in the program) and ``compute_logits`` per batch
-        bucket; returns {"token_buckets", "batch_buckets", "seconds"}."""
+        """Run one dummy step per (token bucket, block bucket) pair (with
+        attention metadata, so the paged attention is in the program; the
+        block-table width forced through
+        ``TPUPagedAttentionMetadataBuilder.warm_up_blocks``) and the logits
+        program per (token bucket T, batch bucket B <= T) pair; returns
+        {"token_buckets", "block_buckets", "batch_buckets", "seconds"}.
+
+        Eager (``enforce_eager``), all of it twice, and the block zeroing
+        twice in both modes: torch_tpu's strict executor serves a per-op
+        key's first call on the host and compiles at its second
+        (``TORCH_TPU_HOST_FIRST_COMPILE_AFTER``, default 2; docs/design.md
+        "Host-first calls"), so a shape met once here would compile while
+        serving. A compiled graph compiles at its first call."""
         import time
 
         from vllm.config import CUDAGraphMode
 
+        from torch_tpu.vllm.attention import TPUPagedAttentionMetadataBuilder as Builder
+
         t0 = time.perf_counter()
         hidden = self.model_config.get_hidden_size()
-        for n in self.token_buckets:
-            if n > self.scheduler_config.max_num_batched_tokens:
-                n = self.scheduler_config.max_num_batched_tokens  # pads to the same bucket
-            self._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
-                            allow_microbatching=False, skip_eplb=True)
+        block_buckets = sorted({nb for groups in self.attn_groups for g in groups
+                                for b in g.metadata_builders if isinstance(b, Builder)
+                                for nb in b.block_buckets}) or [None]
+        passes = 1 if self.tpu_compiled else 2
+        try:
+            for _ in range(passes):
+                for n in self.token_buckets:
+                    if n > self.scheduler_config.max_num_batched_tokens:
+                        n = self.scheduler_config.max_num_batched_tokens  # the same bucket
+                    for nb in block_buckets:  # the forward: every (token, block) bucket pair
+                        Builder.warm_up_blocks = nb
+                        self._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                        force_attention=True, allow_microbatching=False,
+                                        skip_eplb=True)
+        finally:
+            Builder.warm_up_blocks = None
         with torch.inference_mode():  # as execute_model: Dynamo guards on grad mode
-            for b in self.batch_buckets:
-                self.model.compute_logits(torch.zeros(b, hidden, dtype=self.model_config.dtype))
-                self._zero_block_ids([0] * b)  # the null block: nothing real is zeroed
+            for _ in range(passes):
+                for t in self.token_buckets:  # the logits program: every (T, B <= T) pair
+                    h = torch.zeros(t, hidden, dtype=self.model_config.dtype, device=TPU)
+                    for b in self.batch_buckets:
+                        if b <= t:
+                            ids = self._logits_program(h, torch.zeros(b, dtype=torch.int64,
+                                                                      device=TPU))[1]
+                    ids.cpu()
+            for _ in range(2):
+                for b in self.batch_buckets:
+                    self._zero_block_ids([0] * b)  # the null block: nothing real is zeroed
         seconds = time.perf_counter() - t0
-        logger.info("torch_tpu: warmed up token buckets %s and batch buckets %s in %.1f s",
-                    self.token_buckets, self.batch_buckets, seconds)
-        return {"token_buckets": list(self.token_buckets),
+        logger.info("torch_tpu: warmed up token buckets %s, block buckets %s and batch buckets "
+                    "%s in %.1f s", self.token_buckets, block_buckets, self.batch_buckets, seconds)
+        return {"token_buckets": list(self.token_buckets), "block_buckets": block_buckets,
                 "batch_buckets": list(self.batch_buckets), "seconds": seconds}
 
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
