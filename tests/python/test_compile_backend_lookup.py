@@ -57,7 +57,8 @@ def test_tpu_lookup_skips_importing_every_backend(tmp_path, dynamo_first):
     assert result["hooks_left"] == 0, result
 
 
-# A warm process (its frame loaded from the compile cache) never calls the
+# A warm process (its frame loaded from the compile cache) installs the entry
+# with the garbage collector paused (torch_tpu._precompile) and never calls the
 # backend; torch_tpu._dynamo._DirectBackend stands where Dynamo's
 # get_compiler_fn would first import torch._dynamo.repro.after_dynamo (AOT
 # modules, partitioners, networkx) for any backend.
@@ -68,6 +69,17 @@ WARM = textwrap.dedent('''
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
     x = torch.randn(5, 8)
     want = model(x)
+    import gc
+    from torch._dynamo import package
+    from torch._dynamo.backends import registry
+    registry.lookup_backend("tpu")  # imports torch_tpu._dynamo: the compile cache's patches are in
+    load, gc_during_load = package.load_guards_state, []
+
+    def recording(*args, **kwargs):
+        gc_during_load.append(gc.isenabled())
+        return load(*args, **kwargs)
+
+    package.load_guards_state = recording
     compiled = torch.compile(model.to("tpu"), backend="tpu")
     with torch.no_grad():
         got = compiled(x.to("tpu")).cpu()
@@ -77,6 +89,8 @@ WARM = textwrap.dedent('''
         "traced": counters["stats"].get("unique_graphs", 0),
         "after_dynamo": "torch._dynamo.repro.after_dynamo" in sys.modules,
         "networkx": "networkx" in sys.modules,
+        "gc_during_load": gc_during_load,
+        "gc_after": gc.isenabled(),
     }))
 ''')
 
@@ -86,7 +100,7 @@ def _result(r):
     return json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
 
 
-def test_warm_start_does_not_import_dynamo_repro_chain(tmp_path):
+def test_warm_start_skips_dynamo_repro_chain_and_collection(tmp_path):
     script = tmp_path / "warm.py"
     script.write_text(WARM)
     env = {k: v for k, v in os.environ.items() if k not in ("TORCH_TPU_COMPILE_CACHE", "TORCH_TPU_COMPILE_CACHE_DIR")}
@@ -96,6 +110,8 @@ def test_warm_start_does_not_import_dynamo_repro_chain(tmp_path):
     assert empty["err"] <= 1e-5 and warm["err"] <= 1e-5, (empty, warm)
     assert empty["traced"] == 1 and warm["traced"] == 0, (empty, warm)  # the warm frame came from the cache
     assert not warm["after_dynamo"] and not warm["networkx"], warm
+    # the saved entry is installed with the garbage collector paused, and it is on again after
+    assert warm["gc_during_load"] == [False] and warm["gc_after"], warm
 
 
 def test_direct_backend_only_for_tpu_and_minifier_still_wraps(monkeypatch):
