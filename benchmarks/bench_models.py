@@ -232,13 +232,15 @@ model = model.eval().to("tpu")
 ids = torch.randint(1000, 2000, (8, 128)).to("tpu")
 mask = torch.ones(8, 128, dtype=torch.long).to("tpu")
 t_compile = time.perf_counter()
+cpu_compile = time.process_time()
 compiled = torch.compile(model, backend="tpu")
 t0 = time.perf_counter()
 with torch.no_grad():
     out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
 out.sum().item()
+cpu = time.process_time() - cpu_compile
 end = time.perf_counter()
-print(f"{{end - t0:.3f}} {{end - t_compile:.3f}} {{end - start:.3f}}")
+print(f"{{end - t0:.3f}} {{end - t_compile:.3f}} {{end - start:.3f}} {{cpu:.3f}}")
 """
 
 
@@ -253,6 +255,7 @@ x = torch.randn(64, 256).to("tpu")
 y = torch.randint(0, 10, (64,)).to("tpu")
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 t_compile = time.perf_counter()
+cpu_compile = time.process_time()
 compiled = torch.compile(model, backend="tpu")
 t0 = time.perf_counter()
 opt.zero_grad()
@@ -260,12 +263,19 @@ loss = torch.nn.functional.cross_entropy(compiled(x), y)
 loss.backward()
 opt.step()
 loss.item()
+cpu = time.process_time() - cpu_compile
 end = time.perf_counter()
-print(f"{{end - t0:.3f}} {{end - t_compile:.3f}} {{end - start:.3f}}")
+print(f"{{end - t0:.3f}} {{end - t_compile:.3f}} {{end - start:.3f}} {{cpu:.3f}}")
 """
 
 
 def first_result(args):
+    """(d): per case and cache variant, `--d-rounds` rounds, each a new
+    cache directory, an empty-cache process then a warm one (the variants'
+    rounds interleaved, so load drifting over the run hits both alike);
+    prints each process's row and the median over the rounds of the
+    per-round empty/warm ratio, of wall time and of the window's process
+    CPU time (torch.compile() + first call; XLA's threads included)."""
     examples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
     cases = [("compiled encoder (forward)", FIRST_RESULT.format(examples=examples)),
              ("compiled MLP training step (forward, backward, AdamW)", FIRST_STEP.format())]
@@ -273,26 +283,35 @@ def first_result(args):
                 ("executable + compile cache (the default: TORCH_TPU_COMPILE_CACHE unset)", {})]
     for case, code in cases:
         print(f"\n## (d) fresh process, {case}: time to the first result\n")
-        print("| caches | state | first call (s) | torch.compile() + first call (s) | whole process incl. imports and model load (s) |")
-        print("|---|---|---|---|---|")
+        print("| caches | round | state | first call (s) | torch.compile() + first call (s) | "
+              "its process CPU (s) | whole process incl. imports and model load (s) |")
+        print("|---|---|---|---|---|---|---|")
+        ratios = {name: [] for name, _ in variants}
+        for rnd in range(args.d_rounds):
+            for name, extra in variants:
+                with tempfile.TemporaryDirectory() as cache:
+                    env = {k: v for k, v in os.environ.items()
+                           if k not in ("TORCH_TPU_COMPILE_CACHE", "TORCH_TPU_COMPILE_CACHE_DIR")}
+                    env.update(TORCH_TPU_CACHE_DIR=cache, **extra)
+                    times = {}
+                    for label in ("empty", "warm"):
+                        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+                        if r.returncode != 0:
+                            print(f"| {name} | {rnd} | {label} | failed: {r.stderr.strip().splitlines()[-1][:100]} "
+                                  f"| | | |")
+                            break
+                        first, with_compile, total, cpu = map(float, r.stdout.split()[-4:])
+                        times[label] = (first, with_compile, cpu)
+                        print(f"| {name} | {rnd} | {label} | {first:.3f} | {with_compile:.3f} | {cpu:.3f} "
+                              f"| {total:.3f} |", flush=True)
+                    if len(times) == 2:
+                        ratios[name].append([times["empty"][i] / times["warm"][i] for i in range(3)])
         summary = []
-        for name, extra in variants:
-            with tempfile.TemporaryDirectory() as cache:
-                env = {k: v for k, v in os.environ.items()
-                       if k not in ("TORCH_TPU_COMPILE_CACHE", "TORCH_TPU_COMPILE_CACHE_DIR")}
-                env.update(TORCH_TPU_CACHE_DIR=cache, **extra)
-                times = {}
-                for label in ("empty", "warm"):
-                    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-                    if r.returncode != 0:
-                        print(f"| {name} | {label} | failed: {r.stderr.strip().splitlines()[-1][:100]} | | |")
-                        break
-                    first, with_compile, total = map(float, r.stdout.split()[-3:])
-                    times[label] = (first, with_compile)
-                    print(f"| {name} | {label} | {first:.3f} | {with_compile:.3f} | {total:.3f} |", flush=True)
-                if len(times) == 2:
-                    summary.append(f"{name}: first call {times['empty'][0] / times['warm'][0]:.1f}x, "
-                                   f"torch.compile() + first call {times['empty'][1] / times['warm'][1]:.1f}x")
+        for name, rs in ratios.items():
+            if rs:
+                med = [statistics.median(r[i] for r in rs) for i in range(3)]
+                summary.append(f"{name}: first call {med[0]:.1f}x, torch.compile() + first call {med[1]:.1f}x "
+                               f"(process CPU {med[2]:.1f}x; median of {len(rs)} rounds)")
         print("\nwarm cache speed-up: " + "; ".join(summary))
 
 
@@ -306,6 +325,8 @@ def main():
     p.add_argument("--rounds", type=int, default=0,
                    help="(b), (e): time the configurations interleaved, this many rounds of --iters "
                         "(--finetune-iters) calls each")
+    p.add_argument("--d-rounds", type=int, default=1,
+                   help="(d): rounds of an empty then a warm process per cache variant, interleaved")
     p.add_argument("--compare-deferral", action="store_true",
                    help="also time tpu compile in strict mode with the deferral between graphs off")
     args = p.parse_args()

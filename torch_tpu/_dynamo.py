@@ -22,6 +22,8 @@ is needed before ``torch.compile``), which importing torch_tpu names in
 Dynamo's registry (``torch_tpu._seed_dynamo_backend``: the lookup then skips
 ``registry._lazy_import()``, which imports every Dynamo backend module);
 ``register()`` registers it by hand where the package is not installed.
+Importing this module routes ``eval_frame.get_compiler_fn`` for ``tpu``
+only through ``_DirectBackend`` (no import of Dynamo's repro chain).
 
 ``TORCH_TPU_COMPILE_DEBUG=1`` prints why a graph falls back.
 
@@ -497,4 +499,91 @@ def register() -> None:
         registry.register_backend(tpu_backend, name="tpu")
 
 
+# --- how Dynamo calls the backend ------------------------------------------
+
+class _DirectBackend:
+    """What ``torch.compile(..., backend="tpu")`` hands Dynamo's frame
+    converter in place of ``repro.after_dynamo.WrapBackendDebug``: the same
+    attributes (``functools.wraps`` of the backend, ``_torchdynamo_orig_backend``,
+    ``get_compiler_config``) and, with ``torch._dynamo.config.repro_after``
+    unset (its default), the same call, ``backend(gm, example_inputs,
+    **kwargs)``; with it set (read at each call, as WrapBackendDebug does),
+    the call goes through WrapBackendDebug itself, so the minifier works as
+    for any backend. What it saves: ``eval_frame.get_compiler_fn`` imports
+    ``torch._dynamo.repro.after_dynamo`` before wrapping any backend, and
+    that module imports functorch's AOT modules, the partitioners, networkx
+    (~370 modules) and inductor's codecache; a warm process whose frames
+    come from the compile cache never needs them (the backend is not
+    called), and the import tipped that process into a full garbage
+    collection."""
+
+    def __init__(self, backend, compiler_name):
+        functools.wraps(backend)(self)
+        self._torchdynamo_orig_backend = backend
+        self._compiler_name = compiler_name
+        if hasattr(backend, "__name__"):
+            self.__name__ = backend.__name__
+        if hasattr(backend, "compiler_name"):
+            self.__name__ = backend.compiler_name
+        if hasattr(backend, "get_compiler_config"):
+            self.get_compiler_config = backend.get_compiler_config
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        if torch._dynamo.config.repro_after is not None:
+            from torch._dynamo.repro.after_dynamo import WrapBackendDebug
+
+            return WrapBackendDebug(self._torchdynamo_orig_backend, self._compiler_name)(
+                gm, example_inputs, **kwargs)
+        return self._torchdynamo_orig_backend(gm, example_inputs, **kwargs)
+
+
+def _is_tpu_backend(fn) -> bool:
+    # torch.compile passes a torch._TorchCompileWrapper holding the looked-up
+    # function; torch._dynamo.optimize the name or the function itself.
+    if isinstance(fn, str):
+        return fn == "tpu"
+    return fn is tpu_backend or getattr(fn, "compiler_fn", None) is tpu_backend
+
+
+def _install_direct_backend() -> None:
+    """Routes ``eval_frame.get_compiler_fn`` for the ``tpu`` backend only
+    through ``_DirectBackend`` (every other backend, and ``tpu`` too with
+    ``TORCH_TPU_DIRECT_BACKEND=0``, an A/B switch read here, goes to
+    PyTorch's function unchanged). Installed when this module is imported,
+    which ``torch.compile`` does at its backend lookup, before it calls
+    ``get_compiler_fn``; left out (PyTorch's path) where this PyTorch's
+    ``get_compiler_fn`` is not the one this mirrors."""
+    if os.environ.get("TORCH_TPU_DIRECT_BACKEND", "1") == "0":
+        return
+    from torch._dynamo import eval_frame
+
+    original = getattr(eval_frame, "get_compiler_fn", None)
+    if original is None or getattr(original, "_torch_tpu_direct", False):
+        return
+    import inspect
+
+    try:
+        if list(inspect.signature(original).parameters) != ["compiler_fn"]:
+            return
+    except (TypeError, ValueError):
+        return
+
+    @functools.wraps(original)
+    def get_compiler_fn(compiler_fn):
+        if not _is_tpu_backend(compiler_fn):
+            return original(compiler_fn)
+        if isinstance(compiler_fn, str):
+            name = compiler_fn
+        else:
+            name = getattr(compiler_fn, "compiler_name", None)
+            name = name if isinstance(name, str) else None
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return _DirectBackend(lookup_backend(compiler_fn), name)
+
+    get_compiler_fn._torch_tpu_direct = True
+    eval_frame.get_compiler_fn = get_compiler_fn
+
+
+_install_direct_backend()
 _precompile.maybe_enable_from_env()  # on (safe mode) unless TORCH_TPU_COMPILE_CACHE=0; 1/all opts in to more

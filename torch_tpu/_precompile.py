@@ -113,6 +113,7 @@ passed to ``aot_compile``).
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import io
 import logging
@@ -127,6 +128,17 @@ from typing import Any, Callable
 import torch
 
 from ._graph import _Program, stats
+
+# Installing a saved entry (unpickling its guard scope, ~19k objects for the
+# MiniLM encoder, building its guards and AOTAutograd's wrappers) runs with
+# Python's garbage collector paused, restored after (also on error; left off
+# if it was off). Everything it builds is kept, so a collection there finds
+# nothing of its own; but a process that grew since its last full collection
+# (transformers' import and a model load) was tipped into it there, 0.18-0.20
+# CPU s of a warm encoder start. That collection is not removed: the process
+# pays it at its next collection of the oldest generation, after the warm
+# start. TORCH_TPU_GC_PAUSE=0 installs with the collector as it is (A/B).
+_GC_PAUSE = os.environ.get("TORCH_TPU_GC_PAUSE", "1") != "0"
 
 __all__ = ["enable", "enabled", "ENV"]
 
@@ -903,6 +915,9 @@ def _patch() -> None:
         from torch._subclasses.fake_tensor import FakeTensorConverter, FakeTensorMode
 
         _loading.fake = (FakeTensorMode(), FakeTensorConverter())  # for 7.
+        paused = _GC_PAUSE and gc.isenabled()
+        if paused:
+            gc.disable()
         try:
             install(self, backends)
         except Exception as e:
@@ -924,6 +939,8 @@ def _patch() -> None:
             raise RuntimeError(f"torch_tpu compile cache: {e}") from e
         finally:
             _loading.fake = None
+            if paused:
+                gc.enable()
         # Names install added (the builtins dict, "__builtins_dict___0") came
         # from another process's unique_id counter: a later compile in this
         # one must not generate them again.
