@@ -278,6 +278,24 @@ std::vector<Value> LowerPow(LoweringContext& ctx) {
   Value x = p.InExact("self"), e = p.InExact("exponent");
   Value r = b.Pow(x, e);
   if (!IsFloat(p.compute) && !IsComplex(p.compute)) {
+    // CPU's integer pow squares over every bit of the exponent with the
+    // dtype's wrapping multiply; stablehlo.power on the CPU plugin squares
+    // six times only (an int32 3 ** 64 gave 1, 3 ** 300 a wrong value; issue
+    // 10). So: exponentiation by squaring here, one step per exponent bit
+    // (a negative exponent is replaced below).
+    {
+      const int bits = static_cast<int>(c10::elementSize(p.compute)) * 8 - (IsUnsigned(p.compute) ? 0 : 1);
+      Value acc = ConstLike(b, x, 1), sq = x, rest = e;
+      Value one_e = ConstLike(b, e, 1), two_e = ConstLike(b, e, 2), zero_e = ConstLike(b, e, 0);
+      for (int i = 0; i < bits; ++i) {
+        acc = b.Select(Cmp(b, b.And(rest, one_e), zero_e, kNE), b.Mul(acc, sq), acc);
+        if (i + 1 < bits) {
+          sq = b.Mul(sq, sq);
+          rest = b.Div(rest, two_e);
+        }
+      }
+      r = acc;
+    }
     // An integer tensor to a negative integer Scalar power: CPU's meta
     // kernel raises (pow.Tensor_Scalar); the Scalar is a runtime input.
     const c10::Argument* exp_schema = nullptr;
