@@ -144,7 +144,15 @@ std::vector<Value> AddSub(LoweringContext& ctx, bool subtract, bool reverse) {
   p.compute = ArithCompute(p.common);
   Value x = p.InExact("self"), y = p.InExact("other");
   if (reverse) std::swap(x, y);
-  Value scaled = ctx.has("alpha") ? p.b.Mul(p.Scalar("alpha"), y) : y;
+  Value scaled = y;
+  if (ctx.has("alpha")) {
+    // CPU's add kernel converts alpha to the tensor dtype first
+    // (Scalar::to<scalar_t>) and computes in float from there: a bf16/f16
+    // alpha of 0.3 is 0.30078125 (bf16) in every element (issue 10).
+    Value alpha = ctx.value("alpha");
+    if (p.common == at::kBFloat16 || p.common == at::kHalf) alpha = Cast(p.b, alpha, p.common);
+    scaled = p.b.Mul(BroadcastTo(p.b, Cast(p.b, alpha, p.compute), p.sizes), y);
+  }
   return {p.Done(subtract ? p.b.Sub(x, scaled) : p.b.Add(x, scaled))};
 }
 std::vector<Value> LowerAdd(LoweringContext& ctx) { return AddSub(ctx, false, false); }

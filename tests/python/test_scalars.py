@@ -278,3 +278,20 @@ def test_integer_pow_with_large_exponents_like_cpu(dtype, mode):
         for fn in (lambda t: torch.pow(t, e), lambda t: t ** torch.full_like(t, e % 127),
                    lambda t: torch.pow(e % 100, t.abs())):
             _like_cpu(lambda t, _: fn(t), x, None, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_alpha_is_rounded_to_the_dtype_like_cpu(dtype, mode):
+    """CPU's add/sub convert alpha to the tensor dtype (Scalar::to) and
+    compute in float from there: a bf16 alpha of 0.3 is 0.30078125, so
+    `p.add_(g, alpha=-lr)` on bf16 parameters rounds lr first. Exact."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, generator=gen).to(dtype), torch.randn(64, generator=gen).to(dtype)
+    for a in (1.1, -1e-3, 0.3, 7.77, -2.5e-4):
+        for fn in (lambda s, o: torch.add(s, o, alpha=a), lambda s, o: torch.sub(s, o, alpha=a),
+                   lambda s, o: torch.rsub(s, o, alpha=a), lambda s, o: s.clone().add_(o, alpha=a)):
+            want = fn(x, y)
+            with torch_tpu.eager_mode(mode):
+                for _ in range(3):  # strict: host-first calls, then the program
+                    _same(fn(x.to(TPU), y.to(TPU)), want)
