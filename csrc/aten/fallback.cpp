@@ -25,10 +25,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <numeric>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -85,6 +88,7 @@ struct OpFacts {
   // full / full_like / new_full: `fill_value` is converted the same way to
   // the result's dtype (fill_).
   bool checked_fill_value = false;
+  bool scalar_tensor = false; // scalar_tensor: reduced-float values convert as CPU's (no range check)
   bool index_put = false;     // index_put / _index_put_impl: x[...] = v
   bool mask_indexing = false; // index, index_put, _index_put_impl: masks among the indices
   IndexOp index_op = IndexOp::kNone;  // `index` is checked like CPU's index_* kernels
@@ -120,6 +124,7 @@ std::unique_ptr<OpFacts> MakeFacts(const c10::OperatorHandle& op) {
   // checked conversion).
   f->checked_fill_value = f->fill_value >= 0 && (base == "full" || base == "full_like" || base == "new_full" ||
                                                  base == "scalar_tensor");
+  f->scalar_tensor = base == "scalar_tensor";
   f->index_put = base == "index_put" || base == "_index_put_impl";
   f->mask_indexing = f->index_put || base == "index";
   if (f->index >= 0 && f->entry && !f->entry->traits.index_checks.empty()) {
@@ -750,6 +755,29 @@ void CheckScalarFitsLikeCpu(const c10::Scalar& value, at::ScalarType dtype) {
   }
 }
 
+// CPU's scalar_tensor converts a value into Half, BFloat16 and the float8
+// types without Scalar::to's range check (torch.scalar_tensor(1e300,
+// dtype=torch.half) is inf; e4m3fn saturates to 448, the fnuz types give
+// NaN), while fill_/full/masked_fill raise. where(c, x, 1e300) with a half
+// x makes its scalar operand so, and Python indexing its value.
+bool ScalarTensorConvertsUnchecked(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16 || at::isFloat8Type(t);
+}
+
+// scalar_tensor(s, dtype) for those dtypes: `s` is replaced by CPU's
+// converted value (a double that the dtype holds exactly: inf, 448, NaN,
+// 70144 for 70000 into bf16), so the program's cast of it is exact.
+void ConvertScalarTensorValueLikeCpu(const OpFacts& f, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t first = stack->size() - op.schema().arguments().size();
+  if (f.fill_value < 0 || f.dtype < 0) return;
+  c10::IValue& v = (*stack)[first + static_cast<size_t>(f.fill_value)];
+  const c10::IValue& dtype = (*stack)[first + static_cast<size_t>(f.dtype)];
+  if (!v.isScalar() || !dtype.isInt()) return;
+  const auto st = static_cast<at::ScalarType>(dtype.toInt());
+  if (!ScalarTensorConvertsUnchecked(st) || v.toScalar().isBoolean()) return;
+  v = c10::Scalar(at::scalar_tensor(v.toScalar(), at::TensorOptions().dtype(st)).item().toDouble());
+}
+
 void CheckArgumentsLikeCpu(const OpFacts& f, const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
   const auto& args = op.schema().arguments();
   const size_t first = stack.size() - args.size();
@@ -781,7 +809,10 @@ void CheckArgumentsLikeCpu(const OpFacts& f, const c10::OperatorHandle& op, cons
     // value into the default dtype).
     const c10::Scalar v = at_pos(f.fill_value)->toScalar();
     const c10::IValue* dtype = at_pos(f.dtype);
-    if (dtype && dtype->isInt()) CheckScalarFitsLikeCpu(v, static_cast<at::ScalarType>(dtype->toInt()));
+    if (dtype && dtype->isInt()) {
+      const auto st = static_cast<at::ScalarType>(dtype->toInt());
+      if (!(f.scalar_tensor && ScalarTensorConvertsUnchecked(st))) CheckScalarFitsLikeCpu(v, st);
+    }
     else if (self_tensor) CheckScalarFitsLikeCpu(v, self->toTensor().scalar_type());
     else if (v.isFloatingPoint()) CheckScalarFitsLikeCpu(v, c10::typeMetaToScalarType(c10::get_default_dtype()));
   }
@@ -812,6 +843,187 @@ void CheckArgumentsLikeCpu(const OpFacts& f, const c10::OperatorHandle& op, cons
                 "For integral input tensors, argument alpha must not be a floating point number.");
     TORCH_CHECK(at::isComplexType(dtype) || !a.isComplex(),
                 "For non-complex input tensors, argument alpha must not be a complex number.");
+  }
+}
+
+struct DropWarnings : c10::WarningHandler {
+  void process(const c10::Warning&) override {}
+};
+
+std::string Lower(std::string m) {
+  std::transform(m.begin(), m.end(), m.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return m;
+}
+
+bool IsDtypeMessage(const std::string& m) {
+  const std::string l = Lower(m);
+  return l.find("dtype") != std::string::npos || l.find("scalar type") != std::string::npos ||
+         l.find("same type") != std::string::npos;
+}
+
+bool IsScalarConversionMessage(const std::string& m) {
+  return m.find("cannot be converted to type") != std::string::npos;
+}
+
+// Runs `op` through CPU's kernel on zero-filled CPU tensors of the call's
+// tpu tensors' sizes and dtypes (CPU tensors and every other argument as
+// they are), with warnings dropped. A c10::Error whose message `adopt`
+// accepts is rethrown as is (CPU's exception type and message); any other
+// outcome returns (an error of another kind, which zeros may cause, is not
+// the call's).
+void ProbeOnCpu(const c10::OperatorHandle& op, const torch::jit::Stack& stack, bool (*adopt)(const std::string&)) {
+  const size_t first = stack.size() - op.schema().arguments().size();
+  torch::jit::Stack probe(stack.begin() + static_cast<std::ptrdiff_t>(first), stack.end());
+  for (auto& v : probe)
+    v = MapTensors(v, [](const at::Tensor& t) {
+      return t.defined() && t.device().type() == kTpu ? at::zeros(t.sizes(), t.options().device(at::kCPU)) : t;
+    });
+  DropWarnings drop;
+  c10::WarningUtils::WarningHandlerGuard guard(&drop);
+  try {
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &probe);
+  } catch (const c10::Error& e) {
+    if (adopt(e.msg())) throw;
+  } catch (const std::exception& e) {
+    // c10's Scalar conversions throw std::runtime_error (c10::report_overflow).
+    if (adopt(e.what())) throw;
+  }
+}
+
+// The bytes of the call's tpu tensors; -1 where an argument is a Device
+// (a probe would dispatch back to tpu).
+int64_t TpuBytes(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const size_t first = stack.size() - op.schema().arguments().size();
+  int64_t bytes = 0;
+  for (size_t i = first; i < stack.size(); ++i) {
+    if (stack[i].isDevice()) return -1;
+    ForEachTensor(stack[i], [&](const at::Tensor& t) {
+      if (t.defined() && t.device().type() == kTpu) bytes += static_cast<int64_t>(t.numel()) * t.element_size();
+    });
+  }
+  return bytes;
+}
+
+constexpr int64_t kProbeMaxBytes = int64_t{256} << 20;
+
+// Mixed floating dtypes: CPU's kernel is the reference. Many CPU kernels
+// take no type promotion and require their floating operands to share one
+// dtype (a TensorIterator built without promote_inputs_to_common_dtype:
+// "Found dtype Double but expected Float" from huber_loss_backward,
+// binary_cross_entropy_backward, _prelu_kernel, ...; data_ptr<scalar_t>()
+// of a tensor of another dtype: "expected scalar type Float but found
+// Double" from _log_softmax_backward_data, native_batch_norm's weight,
+// embedding_bag, cdist, ...), while the meta kernels (and so the lowerings)
+// accept the mix and would return a value. Rather than a list of ops and
+// their messages: when a call's tpu tensors (out= included) have more than
+// one floating/complex dtype, the first call of each (overload, dtype
+// signature) on a thread runs CPU's kernel on zero-filled CPU tensors of
+// the call's sizes and dtypes (ProbeOnCpu: no device values are read,
+// nothing is waited for). If CPU raises an error about dtypes (its message
+// names a dtype, "scalar type" or "same type"), the call raises that error
+// — CPU's exception type and message — at the op, in every mode; otherwise
+// the signature is remembered as accepted and never probed again. Not
+// probed: random ops (the CPU generator would advance), calls with a
+// Device argument, and calls whose tpu tensors exceed 256 MiB together
+// (the probe would allocate as much on the host).
+void CheckDtypesLikeCpu(const OpFacts& f, const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  if (f.entry->traits.needs_rng) return;
+  const size_t n = op.schema().arguments().size(), first = stack.size() - n;
+  at::ScalarType seen = at::ScalarType::Undefined;
+  bool mixed = false;
+  for (size_t i = first; i < stack.size() && !mixed; ++i)
+    ForEachTensor(stack[i], [&](const at::Tensor& t) {
+      if (!t.defined() || t.device().type() != kTpu || !(t.is_floating_point() || t.is_complex())) return;
+      if (seen == at::ScalarType::Undefined) seen = t.scalar_type();
+      else if (t.scalar_type() != seen) mixed = true;
+    });
+  if (!mixed) return;
+  const int64_t bytes = TpuBytes(op, stack);
+  if (bytes < 0 || bytes > kProbeMaxBytes) return;
+  // The signature: every tensor's dtype and device kind, in argument order.
+  std::vector<int16_t> sig;
+  for (size_t i = first; i < stack.size(); ++i) {
+    ForEachTensor(stack[i], [&](const at::Tensor& t) {
+      sig.push_back(t.defined() ? static_cast<int16_t>(static_cast<int>(t.scalar_type()) * 2 + (t.device().type() == kTpu))
+                                : int16_t{-1});
+    });
+    sig.push_back(-2);
+  }
+  thread_local std::set<std::pair<const c10::FunctionSchema*, std::vector<int16_t>>> accepted;
+  auto key = std::make_pair(&op.schema(), std::move(sig));
+  if (accepted.count(key)) return;
+  ProbeOnCpu(op, stack, IsDtypeMessage);
+  accepted.insert(std::move(key));
+}
+
+bool IsNumberArg(const c10::TypePtr& t) {
+  if (t->kind() == c10::TypeKind::NumberType) return true;
+  if (auto opt = t->cast<c10::OptionalType>()) return opt->getElementType()->kind() == c10::TypeKind::NumberType;
+  return false;
+}
+
+void CheckScalarFitsLikeCpu(const c10::Scalar& value, at::ScalarType dtype);
+
+// Scalar arguments out of range: CPU's kernel is the reference. Some CPU
+// kernels convert a Scalar argument to the computation's dtype with
+// Scalar::to, which raises "value cannot be converted to type int8_t without
+// overflow" (clamp's min/max, addcmul/addcdiv's value, threshold, hardtanh,
+// add's alpha into int8, pow's exponent into half, ...), where the
+// lowerings would wrap or saturate it: a silent wrong value. Others wrap
+// the Scalar as a 0-d double tensor and cast it without a check
+// (rsub/remainder/eq/gt.Scalar, pow's exponent into f32: 1e300 gives inf),
+// where the program's f32 scalar input raised. So a call with a Scalar
+// argument that does not fit some tpu tensor's dtype, or a finite float
+// beyond f32's range, runs CPU's kernel on zero-filled tensors first
+// (ProbeOnCpu; no device values, not cached: such values are rare): CPU's
+// conversion error is raised as CPU raises it; if CPU accepts, a float
+// beyond f32's range becomes +-inf where the program takes it as f32 (no
+// f64 tensor, float32 default dtype), which is the value CPU's unchecked
+// cast gives. Not probed: random ops, ops whose Scalars are compiled in
+// (arange), calls over 256 MiB of tpu tensors or with a Device argument.
+void CheckScalarsLikeCpu(const OpFacts& f, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (f.entry->traits.needs_rng || f.entry->traits.static_scalars) return;
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  std::vector<size_t> odd;
+  std::vector<at::ScalarType> dtypes;
+  bool f64 = c10::get_default_dtype_as_scalartype() == at::kDouble;
+  for (size_t i = 0; i < args.size(); ++i)
+    ForEachTensor((*stack)[first + i], [&](const at::Tensor& t) {
+      if (!t.defined() || t.device().type() != kTpu) return;
+      dtypes.push_back(t.scalar_type());
+      f64 |= t.scalar_type() == at::kDouble || t.scalar_type() == at::kComplexDouble;
+    });
+  if (dtypes.empty()) return;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = (*stack)[first + i];
+    if (!v.isScalar() || !IsNumberArg(args[i].type())) continue;
+    const c10::Scalar s = v.toScalar();
+    if (s.isBoolean()) continue;
+    bool fits = true;
+    for (at::ScalarType dt : dtypes) {
+      try {
+        CheckScalarFitsLikeCpu(s, dt);
+      } catch (const std::exception&) {  // c10::report_overflow's std::runtime_error, or a c10::Error
+        fits = false;
+        break;
+      }
+    }
+    const bool beyond_f32 = s.isFloatingPoint() && std::isfinite(s.toDouble()) &&
+                            std::abs(s.toDouble()) > static_cast<double>(std::numeric_limits<float>::max());
+    if (!fits || beyond_f32) odd.push_back(i);
+  }
+  if (odd.empty()) return;
+  const int64_t bytes = TpuBytes(op, *stack);
+  if (bytes < 0 || bytes > kProbeMaxBytes) return;
+  ProbeOnCpu(op, *stack, IsScalarConversionMessage);
+  if (f64) return;
+  for (size_t i : odd) {
+    c10::IValue& v = (*stack)[first + i];
+    const c10::Scalar s = v.toScalar();
+    if (s.isFloatingPoint() && std::isfinite(s.toDouble()) &&
+        std::abs(s.toDouble()) > static_cast<double>(std::numeric_limits<float>::max()))
+      v = c10::Scalar(std::copysign(std::numeric_limits<double>::infinity(), s.toDouble()));
   }
 }
 
@@ -855,7 +1067,12 @@ void CheckIndexLikeCpu(IndexOp op, const at::Tensor& index) {
 void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const OpFacts& facts = FactsFor(op);
   const lowering::LoweringEntry* entry = facts.entry;
-  if (entry) CheckArgumentsLikeCpu(facts, op, *stack);
+  if (entry) {
+    CheckArgumentsLikeCpu(facts, op, *stack);
+    CheckDtypesLikeCpu(facts, op, *stack);
+    CheckScalarsLikeCpu(facts, op, stack);
+    if (facts.scalar_tensor) ConvertScalarTensorValueLikeCpu(facts, op, stack);
+  }
   if (AnyMathBits(op, *stack)) return RunResolvingMathBits(op, stack);
   if (facts.written && (WritesOverlappingTensor(facts, op, *stack) || WritesPartlyOverlappingArgument(op, *stack)))
     return RunOnCpuMirror(op, stack);

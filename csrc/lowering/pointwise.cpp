@@ -144,7 +144,15 @@ std::vector<Value> AddSub(LoweringContext& ctx, bool subtract, bool reverse) {
   p.compute = ArithCompute(p.common);
   Value x = p.InExact("self"), y = p.InExact("other");
   if (reverse) std::swap(x, y);
-  Value scaled = ctx.has("alpha") ? p.b.Mul(p.Scalar("alpha"), y) : y;
+  Value scaled = y;
+  if (ctx.has("alpha")) {
+    // CPU's add kernel converts alpha to the tensor dtype first
+    // (Scalar::to<scalar_t>) and computes in float from there: a bf16/f16
+    // alpha of 0.3 is 0.30078125 (bf16) in every element (issue 10).
+    Value alpha = ctx.value("alpha");
+    if (p.common == at::kBFloat16 || p.common == at::kHalf) alpha = Cast(p.b, alpha, p.common);
+    scaled = p.b.Mul(BroadcastTo(p.b, Cast(p.b, alpha, p.compute), p.sizes), y);
+  }
   return {p.Done(subtract ? p.b.Sub(x, scaled) : p.b.Add(x, scaled))};
 }
 std::vector<Value> LowerAdd(LoweringContext& ctx) { return AddSub(ctx, false, false); }
@@ -278,6 +286,24 @@ std::vector<Value> LowerPow(LoweringContext& ctx) {
   Value x = p.InExact("self"), e = p.InExact("exponent");
   Value r = b.Pow(x, e);
   if (!IsFloat(p.compute) && !IsComplex(p.compute)) {
+    // CPU's integer pow squares over every bit of the exponent with the
+    // dtype's wrapping multiply; stablehlo.power on the CPU plugin squares
+    // six times only (an int32 3 ** 64 gave 1, 3 ** 300 a wrong value; issue
+    // 10). So: exponentiation by squaring here, one step per exponent bit
+    // (a negative exponent is replaced below).
+    {
+      const int bits = static_cast<int>(c10::elementSize(p.compute)) * 8 - (IsUnsigned(p.compute) ? 0 : 1);
+      Value acc = ConstLike(b, x, 1), sq = x, rest = e;
+      Value one_e = ConstLike(b, e, 1), two_e = ConstLike(b, e, 2), zero_e = ConstLike(b, e, 0);
+      for (int i = 0; i < bits; ++i) {
+        acc = b.Select(Cmp(b, b.And(rest, one_e), zero_e, kNE), b.Mul(acc, sq), acc);
+        if (i + 1 < bits) {
+          sq = b.Mul(sq, sq);
+          rest = b.Div(rest, two_e);
+        }
+      }
+      r = acc;
+    }
     // An integer tensor to a negative integer Scalar power: CPU's meta
     // kernel raises (pow.Tensor_Scalar); the Scalar is a runtime input.
     const c10::Argument* exp_schema = nullptr;

@@ -634,3 +634,95 @@ def test_mask_assignment_stays_on_the_device():
     x[x < 1] = torch.tensor(-1.)
     x.view(2, 3)[:, x.view(2, 3)[0] > 0] = 7.
     torch.testing.assert_close(got, x, rtol=0, atol=0)
+
+
+# --- Mixed floating dtypes where CPU's kernel requires one (issue 10) ---
+#
+# CPU kernels that take no type promotion (a TensorIterator without
+# promote_inputs_to_common_dtype, or data_ptr<scalar_t>() on every operand)
+# raise for operands of different floating dtypes, while the meta kernels and
+# the lowerings accepted the mix and returned a value. aten/fallback.cpp
+# CheckDtypesLikeCpu runs CPU's kernel on zero-filled CPU tensors once per
+# (overload, dtype signature) and raises its error at the op, in every mode,
+# without reading device values. The cases: the ops an OpInfo sweep (each
+# aten op the OpInfo samples reach, forward and backward, replayed with one
+# floating argument cast to float64 or bfloat16) found returning a value.
+
+_g64, _x32, _t32 = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4), torch.rand(3, 4)
+_A = torch.ops.aten
+MIXED_CASES = {
+    "huber_loss_backward": (lambda g, x, t: _A.huber_loss_backward(g, x, t, 1, 1.0), [_g64, _x32, _t32],
+                            "Found dtype Double but expected Float"),
+    "binary_cross_entropy_backward": (lambda g, x, t: _A.binary_cross_entropy_backward(g, x, t, None, 1),
+                                      [_g64, _x32.sigmoid(), _t32], "Found dtype Float but expected Double"),
+    "binary_cross_entropy": (lambda x, t: torch.nn.functional.binary_cross_entropy(x, t),
+                             [_x32.sigmoid(), _t32.double()], "Found dtype Double but expected Float"),
+    "prelu_kernel": (lambda x, w: _A._prelu_kernel(x, w), [_x32, torch.rand(1, dtype=torch.float64)],
+                     "Found dtype Double but expected Float"),
+    "log_softmax_backward_data": (lambda g, o: _A._log_softmax_backward_data(g, o, 1, torch.float32),
+                                  [_g64, _x32.log_softmax(1)], "expected scalar type"),
+    "softmax_backward_data": (lambda g, o: _A._softmax_backward_data(g, o, 1, torch.float32),
+                              [_x32, _x32.softmax(1).double()], "expected scalar type"),
+    "glu_backward": (lambda g, x: _A.glu_backward(g, x, 1), [torch.randn(3, 2, dtype=torch.float64), _x32],
+                     "Found dtype|expected scalar type"),
+    "log_sigmoid_backward": (lambda g, x, b: _A.log_sigmoid_backward(g, x, b), [_g64, _x32, torch.zeros(3, 4)],
+                             "Found dtype|expected scalar type"),
+    "batch_norm_weight_f64": (lambda x, w, b: torch.nn.functional.batch_norm(x, None, None, w, b, training=True),
+                              [_x32, torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)],
+                              "scalar type of Float"),
+    "nll_loss_backward": (lambda g, x, t: _A.nll_loss_backward(g, x, t, None, 1, -100, torch.tensor(3.)),
+                          [torch.tensor(1., dtype=torch.float64), _x32, torch.tensor([0, 1, 2])],
+                          "expected scalar type"),
+    "mm": (lambda a, b: torch.mm(a, b), [_x32, _g64.T.contiguous()], "expected m1 and m2 to have the same dtype"),
+    "layer_norm_backward": (lambda g, x, m, r, w: _A.native_layer_norm_backward(g, x, [4], m, r, w, None,
+                                                                                 [True, True, False]),
+                            [_g64, _x32, torch.zeros(3, 1), torch.ones(3, 1), torch.ones(4)],
+                            "expected scalar type|dtype"),
+    "embedding_bag_per_sample_weights": (
+        lambda w, i, o, p: torch.nn.functional.embedding_bag(i, w, o, mode="sum", per_sample_weights=p),
+        [torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 2, 4]), torch.tensor([0, 1]), torch.rand(3)],
+        "to have the same type"),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", sorted(MIXED_CASES))
+def test_mixed_dtypes_raise_like_cpu_at_the_op(case, mode):
+    """The same exception type and CPU's message, raised by the call itself
+    (no sync point needed: a dtype check reads no device values), on every
+    call (the first, and the cached ones after a compile)."""
+    fn, args, regex = MIXED_CASES[case]
+    cpu = _cpu_error(fn, *args)
+    assert re.search(regex, str(cpu)), f"CPU's message changed: {cpu}"
+    targs = _to_tpu(args)
+    with torch_tpu.eager_mode(mode):
+        for _ in range(3):
+            with pytest.raises(type(cpu)) as info:
+                fn(*targs)
+            assert str(info.value).split("\n")[0] == str(cpu).split("\n")[0]
+            wait_for_compiles()
+
+
+def test_valid_mixed_dtypes_still_compute_on_the_device():
+    """Mixes CPU accepts keep their values and stay on the device: the probe
+    runs once per dtype signature and is not a CPU fallback."""
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    w, b = torch.randn(4), torch.randn(4)
+    g = torch.randn(3, 4)
+    cases = [
+        (lambda x, w, b: torch.nn.functional.layer_norm(x, (4,), w, b), [x, w, b]),
+        (lambda g, x, t: _A.mse_loss_backward(g, x, t, 1), [g, x, x.float()]),
+        (lambda a, c: a + c, [_x32, _g64]),
+        (lambda a, c: torch.where(a > 0, a, c), [_x32, _g64]),
+    ]
+    before = dict(torch_tpu.metrics().get("cpu_fallbacks", {}))
+    for mode in MODES:
+        with torch_tpu.eager_mode(mode):
+            for fn, args in cases:
+                for _ in range(2):
+                    got = fn(*_to_tpu(args)).cpu()
+                    want = fn(*args)
+                    assert got.dtype == want.dtype
+                    torch.testing.assert_close(got, want, rtol=1e-2 if want.dtype == torch.bfloat16 else 1e-5,
+                                               atol=1e-2 if want.dtype == torch.bfloat16 else 1e-5)
+    assert dict(torch_tpu.metrics().get("cpu_fallbacks", {})) == before
