@@ -1162,6 +1162,60 @@ bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, siz
   return true;
 }
 
+// Whether an mm/addmm call (LoweringTraits::poly_matmul) can share a
+// program with calls that differ in the rows n >= 1 of its left matrix
+// (mm's self, addmm's mat1): that matrix is dynamic along dim 0 (offset 0,
+// typed as its storage; contiguous, or for n >= 2 a read-only permuted
+// view whose rows have a place in memory order, as in PlanPoly); the right
+// matrix is static (its rows are the contraction, never padded); addmm's
+// bias is static and must not span the rows (rank <= 1, or one row). No
+// out= and no written argument. Matrix shape validity is then the same
+// for every n. The padding rows of the left matrix (PadFill::kAny: zeros
+// or stale elements) reach only the output's padding rows.
+bool PlanPolyMatmul(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                    const lowering::LoweringEntry& entry, PolyPlan& plan) {
+  if (!entry.traits.poly_matmul) return false;
+  const auto& args = op.schema().arguments();
+  int16_t left = -1;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (IsOutArg(args[i]) || (args[i].alias_info() && args[i].alias_info()->isWrite())) return false;
+    if (args[i].name() == "mat1") left = static_cast<int16_t>(i);
+  }
+  if (left < 0) {  // mm(self, mat2)
+    for (size_t i = 0; i < args.size(); ++i)
+      if (args[i].name() == "self") left = static_cast<int16_t>(i);
+  }
+  if (left < 0) return false;
+  const c10::IValue& lv = stack[first + static_cast<size_t>(left)];
+  if (!lv.isTensor() || !lv.toTensor().defined() || !OnTpu(lv.toTensor())) return false;
+  const at::Tensor& a = lv.toTensor();
+  if (a.dim() != 2) return false;
+  const int64_t n = a.size(0);
+  if (n < 1 || a.storage_offset() != 0 || a.is_conj() || a.is_neg() ||
+      StorageElement(a) != lowering::ToElementType(a.scalar_type()))
+    return false;
+  if (!a.is_contiguous()) {
+    if (n < 2) return false;
+    const std::vector<int64_t> order = DenseOrder(a);
+    if (std::find(order.begin(), order.end(), 0) == order.end()) return false;
+  }
+  plan.dynamic.assign(args.size(), 0);
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (static_cast<int16_t>(i) == left) continue;
+    const c10::IValue& v = stack[first + i];
+    if (!v.isTensor() || !v.toTensor().defined() || !OnTpu(v.toTensor())) continue;
+    const at::Tensor& t = v.toTensor();
+    if (args[i].name() == "self" && t.dim() == 2 && t.size(0) != 1) return false;  // addmm's bias spans the rows
+    if (t.dim() > 2) return false;
+  }
+  plan.dynamic[static_cast<size_t>(left)] = 1;
+  plan.leader = left;
+  plan.dim = 0;
+  plan.extent = n;
+  plan.bucket = Capacity(n);
+  return true;
+}
+
 // Whether a cat call can share a program with calls that differ in the
 // size of some of its items along the cat dim d: the items of the highest
 // rank R with the largest size n >= 1 there are dynamic (contiguous, or a
@@ -1855,15 +1909,18 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   const bool poly_on = shape_poly && ShapePolyEnabled() &&
                        (entry.traits.shape_poly != lowering::PadFill::kNone || entry.traits.poly_flat);
   // cat: one candidate, its cat dim (PlanPolyConcat); random fills: one,
-  // the numel (PlanPolyFlat, dim -1); else every dim.
+  // the numel (PlanPolyFlat, dim -1); mm/addmm: one, the left matrix's
+  // rows (PlanPolyMatmul); else every dim.
   const int64_t poly_rank = !poly_on                                             ? 0
-                            : entry.traits.poly_concat || entry.traits.poly_flat ? 1
-                                                                                 : PolyRank(op, stack, first, poly_leader);
+                            : entry.traits.poly_concat || entry.traits.poly_flat || entry.traits.poly_matmul
+                                ? 1
+                                : PolyRank(op, stack, first, poly_leader);
   for (int64_t candidate = 0; candidate < poly_rank; ++candidate) {
     PolyPlan plan;
-    if (entry.traits.poly_flat    ? !PlanPolyFlat(op, stack, first, entry, plan)
-        : entry.traits.poly_concat ? !PlanPolyConcat(op, stack, first, entry, plan)
-                                   : !PlanPoly(op, stack, first, entry, candidate, plan))
+    if (entry.traits.poly_flat     ? !PlanPolyFlat(op, stack, first, entry, plan)
+        : entry.traits.poly_concat  ? !PlanPolyConcat(op, stack, first, entry, plan)
+        : entry.traits.poly_matmul  ? !PlanPolyMatmul(op, stack, first, entry, plan)
+                                    : !PlanPoly(op, stack, first, entry, candidate, plan))
       continue;
     const int64_t dim = plan.dim;
     thread_local OpKey poly_key;

@@ -686,6 +686,84 @@ def test_cat_growing_cache(strict):
     assert muls <= 2 + len(buckets), (muls, len(buckets))
 
 
+# --- matmul rows: mm, addmm --------------------------------------------------
+
+MATMUL_LENGTHS = [0, 1, 2, 15, 16, 17, 19, 20, 21, 127, 128, 129]
+
+
+def _device_result(fn):
+    """fn()'s result from the device program: in strict mode host-first serves a key's first
+    two calls on the CPU (the second queues its compile; metrics() waits for it)."""
+    fn()
+    fn()
+    torch_tpu.metrics()
+    return fn()
+
+
+def _matmul_cases(n, dtype=torch.float32):
+    """(CPU fn, tpu fn) pairs over an [n, 24] left matrix: mm, addmm with a [40] bias and
+    with a [1, 40] bias (alpha/beta), a transposed left matrix (a read-only permuted view),
+    F.linear over [2, n, 24] (addmm over its [2n, 24] view), and addmm with an [n, 40] bias
+    (spans the rows: stays exact). Row 0 holds NaN and inf (special values), which stay in
+    output row 0 as on CPU."""
+    a = _data_at((n, 24), dtype, seed=1)
+    at_ = _data_at((24, n), dtype, seed=2)
+    w = _data_at((24, 40), dtype, seed=3, special=False)
+    bias = _data_at((40,), dtype, seed=4, special=False)
+    bias_row = _data_at((1, 40), dtype, seed=5, special=False)
+    bias_full = _data_at((n, 40), dtype, seed=6, special=False)
+    x3 = _data_at((2, n, 24), dtype, seed=7)
+    lw = _data_at((40, 24), dtype, seed=8, special=False)
+    t = lambda z: z.to(TPU)  # noqa: E731
+    cases = [
+        (lambda: a @ w, lambda: t(a) @ t(w)),
+        (lambda: torch.addmm(bias, a, w), lambda: torch.addmm(t(bias), t(a), t(w))),
+        (lambda: torch.addmm(bias_row, a, w, beta=0.5, alpha=2.0),
+         lambda: torch.addmm(t(bias_row), t(a), t(w), beta=0.5, alpha=2.0)),
+        (lambda: at_.t() @ w, lambda: t(at_).t() @ t(w)),
+        (lambda: torch.addmm(bias_full, a, w), lambda: torch.addmm(t(bias_full), t(a), t(w))),
+    ]
+    if dtype.is_floating_point:
+        cases.append((lambda: torch.nn.functional.linear(x3, lw, bias),
+                      lambda: torch.nn.functional.linear(t(x3), t(lw), t(bias))))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_matmul_rows_values(mode, dtype):
+    """mm/addmm along the left matrix's rows (PlanPolyMatmul) at lengths 0, 1, 2 and around
+    the bucket edges 16, 20, 128 after two other lengths warmed each family (so the bucket
+    programs serve them), each compared on the device program's result: float32 within the
+    harness's matmul tolerance (NaN and inf in their rows), int64 exactly."""
+    exact = not dtype.is_floating_point
+    with no_cpu_fallback():
+        for n in [200, 230] + MATMUL_LENGTHS:
+            for cpu_fn, tpu_fn in _matmul_cases(n, dtype):
+                _same(_device_result(tpu_fn), cpu_fn(), exact=exact)
+
+
+def test_matmul_rows_bounded_compiles(strict):
+    """20 lengths in (100, 120] of mm and addmm ([n, 24] left matrix, [24, 40] right, a [40]
+    bias) and of F.linear over [2, n, 24] (addmm over [2n, 24] rows): mm and addmm compile
+    at most kPolyAfter exact programs plus one per bucket of their rows per call site
+    (before: one per length)."""
+    lengths = list(range(101, 121))
+    buckets = {capacity(n) for n in lengths}
+    buckets2 = {capacity(2 * n) for n in lengths}
+    before = {op: _op_compiles(op) for op in ("aten::mm", "aten::addmm")}
+    with no_cpu_fallback():
+        for n in lengths:
+            cases = _matmul_cases(n)
+            for k in (0, 1, 5):  # mm, addmm with a [40] bias, linear (addmm over [2n, 24])
+                cpu_fn, tpu_fn = cases[k]
+                _same(_device_result(tpu_fn), cpu_fn(), exact=False)
+    mm = _op_compiles("aten::mm") - before["aten::mm"]
+    addmm = _op_compiles("aten::addmm") - before["aten::addmm"]
+    assert mm <= 2 + len(buckets), (mm, len(buckets))
+    assert addmm <= 2 + len(buckets) + 2 + len(buckets2), (addmm, len(buckets), len(buckets2))
+    assert addmm < len(lengths)
+
+
 # --- the buffer size is not in the bucket key ------------------------------
 
 BUFFER_LENGTHS = [0, 1, 15, 16, 17, 31, 32, 33]
