@@ -201,6 +201,11 @@ struct LoweringTraits {
   // row i is the dot of input row i with the right matrix, so padding rows
   // reach only padding rows of the output (no reduction over them).
   bool poly_matmul = false;
+  // Set by the registry for native_layer_norm: PlanPoly's dynamic dim must
+  // lie before the trailing dims named by the `normalized_shape` argument
+  // (each row is normalized by itself, so padding rows never reach a real
+  // row's mean or variance; the normalized dims stay exact).
+  bool poly_batch_dims = false;
   // Only for whole-graph lowering (torch.compile): view ops (view, permute,
   // slice, ...) computed as values — eager tpu views are metadata over a
   // shared storage and never reach a lowering — and ops whose eager form

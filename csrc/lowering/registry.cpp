@@ -69,6 +69,11 @@ LoweringRegistrar::LoweringRegistrar(std::initializer_list<LoweringEntry> entrie
       it->second.traits.shape_poly = PadFill::kAny;
       it->second.traits.poly_matmul = true;
     }
+    // layer norm along a batch dim (never a normalized one: PlanPoly).
+    if (e.name == "native_layer_norm" && !e.traits.graph_only) {
+      it->second.traits.shape_poly = PadFill::kAny;
+      it->second.traits.poly_batch_dims = true;
+    }
     if (e.name == "cat") {
       it->second.traits.shape_poly = PadFill::kAny;
       it->second.traits.poly_concat = true;

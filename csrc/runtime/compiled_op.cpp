@@ -1124,6 +1124,13 @@ bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, siz
   int16_t leader = -1;
   const int64_t rank = PolyRank(op, stack, first, leader);
   if (rank <= dim) return false;
+  if (entry.traits.poly_batch_dims) {  // layer norm: never a normalized dim
+    int64_t normalized = -1;
+    for (size_t i = 0; i < args.size(); ++i)
+      if (args[i].name() == "normalized_shape" && stack[first + i].isIntList())
+        normalized = static_cast<int64_t>(stack[first + i].toIntList().size());
+    if (normalized < 0 || dim >= rank - normalized) return false;
+  }
   const int64_t n = stack[first + static_cast<size_t>(leader)].toTensor().size(dim);
   if (n < 1) return false;
   plan.dynamic.assign(args.size(), 0);

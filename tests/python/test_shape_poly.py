@@ -764,6 +764,62 @@ def test_matmul_rows_bounded_compiles(strict):
     assert addmm < len(lengths)
 
 
+# --- layer norm along a batch dim ---------------------------------------------
+
+def _layer_norm_cases(n):
+    """(CPU fn, tpu fn) pairs: F.layer_norm over [2, n, 24] with weight and bias, without
+    them, over the last two dims of [n, 3, 8], and over [4, n] normalized along n itself
+    (the dynamic dim is a normalized one there: PlanPoly must keep it exact). NaN and inf
+    in the first row stay in that row, as on CPU."""
+    F = torch.nn.functional
+    x = _data_at((2, n, 24), seed=1)
+    y = _data_at((n, 3, 8), seed=2)
+    z = _data_at((4, n), seed=3)
+    w, b = _data_at((24,), seed=4, special=False), _data_at((24,), seed=5, special=False)
+    t = lambda v: v.to(TPU)  # noqa: E731
+    cases = [
+        (lambda: F.layer_norm(x, (24,), w, b), lambda: F.layer_norm(t(x), (24,), t(w), t(b))),
+        (lambda: F.layer_norm(x, (24,)), lambda: F.layer_norm(t(x), (24,))),
+        (lambda: F.layer_norm(y, (3, 8)), lambda: F.layer_norm(t(y), (3, 8))),
+    ]
+    if n:
+        cases.append((lambda: F.layer_norm(z, (n,)), lambda: F.layer_norm(t(z), (n,))))
+    return cases
+
+
+def test_layer_norm_batch_dim_values(mode):
+    """native_layer_norm along a batch dim at lengths 0, 1, 2 and around the bucket edges
+    16, 20, 128 after two other lengths warmed each family: the device program's result
+    equals CPU within the harness's float tolerance (NaN and inf in their rows), and a
+    normalized dynamic dim stays exact (same values)."""
+    with no_cpu_fallback():
+        for n in [200, 230] + MATMUL_LENGTHS:
+            for cpu_fn, tpu_fn in _layer_norm_cases(n):
+                _same(_device_result(tpu_fn), cpu_fn(), exact=False)
+
+
+def test_layer_norm_bounded_compiles(strict):
+    """20 lengths in (100, 120] of F.layer_norm over [2, n, 24]: at most kPolyAfter exact
+    programs plus one per bucket (before: one per length); over [4, n] normalized along n:
+    one per length (never a bucket program)."""
+    F = torch.nn.functional
+    lengths = list(range(101, 121))
+    buckets = {capacity(n) for n in lengths}
+    before = _op_compiles("aten::native_layer_norm")
+    with no_cpu_fallback():
+        for n in lengths:
+            cpu_fn, tpu_fn = _layer_norm_cases(n)[0]
+            _same(_device_result(tpu_fn), cpu_fn(), exact=False)
+    compiles = _op_compiles("aten::native_layer_norm") - before
+    assert compiles <= 2 + len(buckets), (compiles, len(buckets))
+    before = _op_compiles("aten::native_layer_norm")
+    with no_cpu_fallback():
+        for n in lengths[:6]:
+            cpu_fn, tpu_fn = _layer_norm_cases(n)[3]
+            _same(_device_result(tpu_fn), cpu_fn(), exact=False)
+    assert _op_compiles("aten::native_layer_norm") - before == 6
+
+
 # --- the buffer size is not in the bucket key ------------------------------
 
 BUFFER_LENGTHS = [0, 1, 15, 16, 17, 31, 32, 33]
