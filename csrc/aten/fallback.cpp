@@ -1173,13 +1173,15 @@ bool ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle&
   for (auto& [r, sizes] : new_outputs) {
     const runtime::OutputSlot& o = compiled.outputs[static_cast<size_t>(compiled.returns[r].index)];
     // In the program's memory order: row-major, or the meta kernel's dense
-    // permuted strides (OutputSlot::strides; never with a dynamic extent).
+    // permuted strides (OutputSlot::strides; for a dynamic extent, those of
+    // OutputSlot::order at these sizes).
     const at::Tensor& result = stack[rfirst + r].toTensor();
-    at::Tensor host = o.strides.empty() ? result.contiguous()
-                                        : at::empty_strided(sizes, o.strides, result.options()).copy_(result);
+    const std::vector<int64_t> strides = runtime::OutputStrides(o, sizes);
+    at::Tensor host = strides.empty() ? result.contiguous()
+                                      : at::empty_strided(sizes, strides, result.options()).copy_(result);
     auto sb = rt.UploadStorage(host.data_ptr(), static_cast<size_t>(host.numel()) * host.element_size(), o.element,
                                device_index, producer, o.numel);
-    returns[r] = runtime::WrapBuffer(std::move(sb), sizes, o.dtype, device_index, o.strides);
+    returns[r] = runtime::WrapBuffer(std::move(sb), sizes, o.dtype, device_index, strides);
   }
   for (const auto& o : compiled.outputs) {
     if (o.kind != runtime::OutputSlot::Kind::kStorageWrite) continue;

@@ -195,6 +195,17 @@ struct LoweringTraits {
   // (compiled_op.cpp PlanPolyFlat), whose first numel values are the exact
   // program's, bit for bit. Needs needs_rng and no value checks.
   bool poly_flat = false;
+  // Set by the registry for mm and addmm: the dynamic dim is the rows of
+  // the left matrix (mm's self, addmm's mat1; compiled_op.cpp
+  // PlanPolyMatmul); the right matrix and addmm's bias are static. Output
+  // row i is the dot of input row i with the right matrix, so padding rows
+  // reach only padding rows of the output (no reduction over them).
+  bool poly_matmul = false;
+  // Set by the registry for native_layer_norm: PlanPoly's dynamic dim must
+  // lie before the trailing dims named by the `normalized_shape` argument
+  // (each row is normalized by itself, so padding rows never reach a real
+  // row's mean or variance; the normalized dims stay exact).
+  bool poly_batch_dims = false;
   // Only for whole-graph lowering (torch.compile): view ops (view, permute,
   // slice, ...) computed as values — eager tpu views are metadata over a
   // shared storage and never reach a lowering — and ops whose eager form

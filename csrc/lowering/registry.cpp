@@ -63,6 +63,17 @@ LoweringRegistrar::LoweringRegistrar(std::initializer_list<LoweringEntry> entrie
     // cat along the dynamic dim: no result element reads an item's padding
     // (LowerCat writes each item at its runtime offset, later items over
     // the earlier ones' padding).
+    // mm/addmm along the left matrix's rows (the contraction and the
+    // output's columns are static): padding rows reach only padding rows.
+    if ((e.name == "mm" || e.name == "addmm") && !e.traits.graph_only) {
+      it->second.traits.shape_poly = PadFill::kAny;
+      it->second.traits.poly_matmul = true;
+    }
+    // layer norm along a batch dim (never a normalized one: PlanPoly).
+    if (e.name == "native_layer_norm" && !e.traits.graph_only) {
+      it->second.traits.shape_poly = PadFill::kAny;
+      it->second.traits.poly_batch_dims = true;
+    }
     if (e.name == "cat") {
       it->second.traits.shape_poly = PadFill::kAny;
       it->second.traits.poly_concat = true;

@@ -16,6 +16,7 @@
 #include <deque>
 #include <pthread.h>
 #include <thread>
+#include <tuple>
 #include <cstdint>
 #include <limits>
 #include <cstdlib>
@@ -211,7 +212,9 @@ bool PolyMarked(std::span<const int8_t> dynamic, size_t num_args, size_t arg, in
 
 // `dynamic`: keyed with size(dim) = extent, without strides (a dynamic
 // tensor is contiguous) and with whether t covers its storage's bytes
-// (instead of their count); extent < 0 leaves out the buffer size.
+// (instead of their count), without the buffer's size: the program's
+// parameter has the canonical size at the bucket (PolyBufferNumel) and a
+// launch resizes any other buffer to it (GatherInputs).
 // dim < 0 (PlanPolyFlat): keyed by `extent` alone, no rank or sizes.
 void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& ids, bool dynamic = false,
                   int64_t extent = 0, int64_t dim = 0) {
@@ -239,7 +242,7 @@ void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& 
   }
   atoms.push_back(t.storage_offset());
   if (dynamic) {
-    atoms.push_back(extent < 0 ? -1 : StorageNumel(t));
+    atoms.push_back(-1);
     atoms.push_back(static_cast<int64_t>(StorageOf(t).nbytes()) == t.numel() * static_cast<int64_t>(t.element_size()));
   } else {
     atoms.push_back(StorageNumel(t));
@@ -484,11 +487,21 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
         meta_stack.push_back(at::empty({0}, v.toTensor().options().device(c10::kMeta)));
         continue;
       }
+      // A dynamic tensor at the extent, in its memory order (a permuted
+      // view's: the meta kernel then gives the output strides CPU would).
       auto at_extent = [&](const at::Tensor& t) {
         std::vector<int64_t> sizes = t.sizes().vec();
-        if (dim < 0) sizes = {extent};  // flat (PlanPolyFlat)
-        else sizes[static_cast<size_t>(dim)] = extent;
-        return at::empty(sizes, t.options().device(c10::kMeta));
+        if (dim < 0) return at::empty({extent}, t.options().device(c10::kMeta));  // flat (PlanPolyFlat)
+        sizes[static_cast<size_t>(dim)] = extent;
+        const std::vector<int64_t> order = t.is_contiguous() ? std::vector<int64_t>{} : DenseOrder(t);
+        if (order.empty()) return at::empty(sizes, t.options().device(c10::kMeta));
+        std::vector<int64_t> strides = t.strides().vec();  // size-1 and expanded dims keep theirs
+        int64_t stride = 1;
+        for (size_t k = order.size(); k-- > 0;) {
+          strides[static_cast<size_t>(order[k])] = stride;
+          stride *= sizes[static_cast<size_t>(order[k])];
+        }
+        return at::empty_strided(sizes, strides, t.options().device(c10::kMeta));
       };
       if (PolyMarked(dynamic, args.size(), i, -1)) {  // a bucketed dim (shape polymorphism)
         meta_stack.push_back(at_extent(v.toTensor()));
@@ -566,9 +579,14 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
     int16_t a = spec.return_alias[r];
     if (a < 0) continue;
     const at::Tensor& target = stack[first + static_cast<size_t>(a)].toTensor();
-    // A flat program's in-place target is [extent] there (PlanPolyFlat).
-    const bool flat_target = dim < 0 && PolyMarked(dynamic, args.size(), static_cast<size_t>(a), -1);
-    if (target.sizes() != spec.outputs[r].sizes && !flat_target) {
+    // A dynamic out= or in-place tensor is at the extent there; a flat
+    // program's is [extent] (PlanPolyFlat).
+    std::vector<int64_t> target_sizes = target.sizes().vec();
+    if (PolyMarked(dynamic, args.size(), static_cast<size_t>(a), -1)) {
+      if (dim < 0) target_sizes = {extent};
+      else target_sizes[static_cast<size_t>(dim)] = extent;
+    }
+    if (target_sizes != spec.outputs[r].sizes) {
       if (std::find(out_args.begin(), out_args.end(), a) == out_args.end())
         throw UnsupportedOp("in-place result has sizes " + c10::str(spec.outputs[r].sizes) +
                             " but the tensor has " + c10::str(target.sizes()));
@@ -603,6 +621,8 @@ hlo::Value ProgramBuilder::ReadFlat(StorageState& st) {
     InputSlot slot = st.first_use;
     slot.kind = InputSlot::Kind::kStorage;
     slot.element = st.element;
+    slot.numel = st.numel;
+    slot.canonical = st.poly;
     inputs.push_back(slot);
   }
   return *st.param;
@@ -744,9 +764,32 @@ hlo::Value ProgramBuilder::PolyRows(const at::Tensor& t, hlo::Value flat) {
   return b.Select(b.Compare(row, n, hlo::CompareDirection::kLT), x, FillConstant(b, x.element(), poly->fill, dims));
 }
 
+int64_t ProgramBuilder::PolyBufferNumel(const at::Tensor& t) const {
+  if (poly->dim < 0) return poly->bucket;  // flat (PlanPolyFlat): [bucket], bucket = Capacity(numel)
+  int64_t numel = 1;
+  const std::vector<int64_t> order = t.is_contiguous() ? std::vector<int64_t>{} : DenseOrder(t);
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (!t.is_contiguous() && std::find(order.begin(), order.end(), d) == order.end()) continue;
+    numel *= d == poly->dim ? Capacity(poly->bucket) : t.size(d);
+  }
+  return numel;
+}
+
 hlo::Value ProgramBuilder::ReadTensor(const at::Tensor& t, const InputSlot& use) {
   StorageState& st = StateFor(t, use);
-  if (PolyDynamic(use)) return PolyRows(t, ReadFlat(st));  // same element type: PlanPoly checked
+  if (PolyDynamic(use)) {  // same element type: PlanPoly checked
+    // The parameter is the canonical buffer at the bucket, whatever buffer
+    // the storage has now (the launch resizes it): one program per bucket.
+    const int64_t numel = PolyBufferNumel(t);
+    if (!st.param && !st.current) {
+      st.numel = numel;
+      st.poly = true;
+    } else if (!st.poly || st.numel != numel) {
+      throw UnsupportedOp("shape polymorphism: a storage read at two layouts");
+    }
+    return PolyRows(t, ReadFlat(st));
+  }
+  if (st.poly) throw UnsupportedOp("shape polymorphism: a storage read with and without the dynamic dim");
   hlo::Value flat = lowering::ReinterpretFlat(b, ReadFlat(st), lowering::ToElementType(t.scalar_type()));
   return lowering::ReadView(b, flat, LayoutOf(t));
 }
@@ -764,7 +807,10 @@ void ProgramBuilder::WriteTensor(const at::Tensor& t, const InputSlot& use, hlo:
     }
     std::vector<int64_t> dims = t.sizes().vec();
     dims[static_cast<size_t>(poly->dim)] = poly->bucket;
-    st.current = PolyWrite(lowering::Prepare(b, value, t.scalar_type(), dims), poly->dim);
+    // The canonical buffer at the bucket (PolyBufferNumel), as a new
+    // dynamic output's: the storage's next readers at this bucket declare it.
+    st.current = lowering::ResizeFlat(b, PolyWrite(lowering::Prepare(b, value, t.scalar_type(), dims), poly->dim),
+                                      PolyBufferNumel(t));
     return;
   }
   value = lowering::Prepare(b, value, t.scalar_type(), t.sizes().vec());
@@ -1042,16 +1088,16 @@ struct PolyPlan {
   int64_t bucket = 0;           // Capacity(extent)
 };
 
-// The highest rank among the call's tpu tensors (0: none, or a tensor list
-// or out= argument, which polymorphic programs do not take) and the first
-// argument of that rank.
+// The highest rank among the call's tpu tensors (0: none, or a tensor-list
+// argument, which PlanPoly does not take) and the first argument of that
+// rank (an out= tensor counts: PlanPoly treats it as any written tensor).
 int64_t PolyRank(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first, int16_t& leader) {
   const auto& args = op.schema().arguments();
   int64_t rank = 0;
   leader = -1;
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = stack[first + i];
-    if (IsOutArg(args[i]) || IsTensorListValue(v)) return 0;
+    if (IsTensorListValue(v)) return 0;
     if (!v.isTensor() || !v.toTensor().defined() || !OnTpu(v.toTensor())) continue;
     if (v.toTensor().dim() > rank) {
       rank = v.toTensor().dim();
@@ -1062,12 +1108,14 @@ int64_t PolyRank(const c10::OperatorHandle& op, const torch::jit::Stack& stack, 
 }
 
 // Whether the call can share a program with calls that differ in dim `dim`
-// of its highest-rank tensors, and how: its entry is shape_poly, no out= or
+// of its highest-rank tensors, and how: its entry is shape_poly, no
 // tensor-list argument; the tpu tensors of the highest rank R > dim have
 // size(dim) equal to the leader's n >= 1 (dynamic: contiguous, offset 0,
 // typed as their storage, and covering it if written) or 1 (broadcast);
 // lower-rank tensors are static and, where they reach dim `dim` (trailing
-// alignment), have size 1 there; every written tensor is dynamic. n = 0
+// alignment), have size 1 there; every written tensor (in place or out=)
+// is dynamic, so an out= needing a resize at one n needs it at every n and
+// declines (PolySpec). n = 0
 // stays static (meta kernels raise for empty reductions). Broadcast
 // validity is then the same for every n (so a hit needs no meta kernel).
 bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
@@ -1077,6 +1125,13 @@ bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, siz
   int16_t leader = -1;
   const int64_t rank = PolyRank(op, stack, first, leader);
   if (rank <= dim) return false;
+  if (entry.traits.poly_batch_dims) {  // layer norm: never a normalized dim
+    int64_t normalized = -1;
+    for (size_t i = 0; i < args.size(); ++i)
+      if (args[i].name() == "normalized_shape" && stack[first + i].isIntList())
+        normalized = static_cast<int64_t>(stack[first + i].toIntList().size());
+    if (normalized < 0 || dim >= rank - normalized) return false;
+  }
   const int64_t n = stack[first + static_cast<size_t>(leader)].toTensor().size(dim);
   if (n < 1) return false;
   plan.dynamic.assign(args.size(), 0);
@@ -1110,6 +1165,60 @@ bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, siz
   }
   plan.leader = leader;
   plan.dim = dim;
+  plan.extent = n;
+  plan.bucket = Capacity(n);
+  return true;
+}
+
+// Whether an mm/addmm call (LoweringTraits::poly_matmul) can share a
+// program with calls that differ in the rows n >= 1 of its left matrix
+// (mm's self, addmm's mat1): that matrix is dynamic along dim 0 (offset 0,
+// typed as its storage; contiguous, or for n >= 2 a read-only permuted
+// view whose rows have a place in memory order, as in PlanPoly); the right
+// matrix is static (its rows are the contraction, never padded); addmm's
+// bias is static and must not span the rows (rank <= 1, or one row). No
+// out= and no written argument. Matrix shape validity is then the same
+// for every n. The padding rows of the left matrix (PadFill::kAny: zeros
+// or stale elements) reach only the output's padding rows.
+bool PlanPolyMatmul(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                    const lowering::LoweringEntry& entry, PolyPlan& plan) {
+  if (!entry.traits.poly_matmul) return false;
+  const auto& args = op.schema().arguments();
+  int16_t left = -1;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (IsOutArg(args[i]) || (args[i].alias_info() && args[i].alias_info()->isWrite())) return false;
+    if (args[i].name() == "mat1") left = static_cast<int16_t>(i);
+  }
+  if (left < 0) {  // mm(self, mat2)
+    for (size_t i = 0; i < args.size(); ++i)
+      if (args[i].name() == "self") left = static_cast<int16_t>(i);
+  }
+  if (left < 0) return false;
+  const c10::IValue& lv = stack[first + static_cast<size_t>(left)];
+  if (!lv.isTensor() || !lv.toTensor().defined() || !OnTpu(lv.toTensor())) return false;
+  const at::Tensor& a = lv.toTensor();
+  if (a.dim() != 2) return false;
+  const int64_t n = a.size(0);
+  if (n < 1 || a.storage_offset() != 0 || a.is_conj() || a.is_neg() ||
+      StorageElement(a) != lowering::ToElementType(a.scalar_type()))
+    return false;
+  if (!a.is_contiguous()) {
+    if (n < 2) return false;
+    const std::vector<int64_t> order = DenseOrder(a);
+    if (std::find(order.begin(), order.end(), 0) == order.end()) return false;
+  }
+  plan.dynamic.assign(args.size(), 0);
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (static_cast<int16_t>(i) == left) continue;
+    const c10::IValue& v = stack[first + i];
+    if (!v.isTensor() || !v.toTensor().defined() || !OnTpu(v.toTensor())) continue;
+    const at::Tensor& t = v.toTensor();
+    if (args[i].name() == "self" && t.dim() == 2 && t.size(0) != 1) return false;  // addmm's bias spans the rows
+    if (t.dim() > 2) return false;
+  }
+  plan.dynamic[static_cast<size_t>(left)] = 1;
+  plan.leader = left;
+  plan.dim = 0;
   plan.extent = n;
   plan.bucket = Capacity(n);
   return true;
@@ -1158,9 +1267,15 @@ bool PlanPolyConcat(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   plan.dynamic.assign(args.size() + items.size(), 0);
   plan.dynamic[static_cast<size_t>(list_arg)] = 2;
   plan.num_items = items.size();
+  int64_t scale = 0, offset = 0;  // the output's a * n + c rows along dim
   for (size_t j = 0; j < items.size(); ++j) {
     const at::Tensor& t = items[j].toTensor();
-    if (t.dim() != rank || t.size(dim) != n) continue;  // static
+    if (t.dim() != rank) continue;  // a legacy empty 1-d item: skipped by cat
+    if (t.size(dim) != n) {
+      offset += t.size(dim);
+      continue;  // static
+    }
+    ++scale;
     if (t.storage_offset() != 0 || t.is_conj() || t.is_neg() ||
         StorageElement(t) != lowering::ToElementType(t.scalar_type()))
       return false;
@@ -1175,7 +1290,12 @@ bool PlanPolyConcat(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   plan.leader_item = leader_item;
   plan.dim = dim;
   plan.extent = n;
-  plan.bucket = Capacity(n);
+  // Bucketed by the output's rows: the program serves every n whose
+  // a * n + c rows have the same Capacity, reading the items at the largest
+  // such n, so its output buffer is the canonical one of the output's own
+  // bucket (Compile) — what the next step's programs (the growing cache's
+  // next cat, its readers) declare, so they need no resize.
+  plan.bucket = (Capacity(scale * n + offset) - offset) / scale;
   return true;
 }
 
@@ -1307,10 +1427,20 @@ CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
     }
     if (real.return_alias[r] >= 0 && dynamic_out[r] != plan.dim)
       throw UnsupportedOp("shape polymorphism: writes a tensor without the dynamic dim");
-    if (real.return_alias[r] < 0 && !real.strides[r].empty())
-      throw UnsupportedOp("shape polymorphism: a new output is not row-major");
+    if (real.return_alias[r] < 0 && !real.strides[r].empty()) {
+      // A permuted dense output (an elementwise op on a transposed view
+      // keeps its input's strides, as CPU's TensorIterator does): served
+      // where its memory order is the same at n, the bucket and bucket + 1
+      // and the dynamic dim is in it; the program writes it in that order.
+      const auto order = PhysicalOrder(sr, real.strides[r]);
+      if (entry.traits.poly_concat || dynamic_out[r] < 0 || at_b.strides[r].empty() || at_b1.strides[r].empty() ||
+          PhysicalOrder(sb, at_b.strides[r]) != order || PhysicalOrder(sb1, at_b1.strides[r]) != order ||
+          sr[static_cast<size_t>(dynamic_out[r])] < 2)
+        throw UnsupportedOp("shape polymorphism: a new output is not row-major");
+    } else {
+      at_b.strides[r].clear();  // row-major, as the call's own
+    }
   }
-  at_b.strides.assign(n, {});  // row-major, as the call's own
   return at_b;
 }
 
@@ -1373,22 +1503,39 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     const auto& out = spec.outputs[r];
     int64_t flat_dims[] = {new_values[r]->type.numel()};
     const bool dynamic = plan && dynamic_out[r] >= 0;
-    // A dynamic output's buffer has its numel at the bucket (PolyWrite):
-    // at least the tensor's elements for every extent of the bucket.
-    const int64_t n = dynamic ? flat_dims[0] : Capacity(flat_dims[0]);
-    program_results.push_back(dynamic ? pb.PolyWrite(*new_values[r], dynamic_out[r], affine[r].first,
-                                                     affine[r].second)
-                                      : lowering::ResizeFlat(pb.b, pb.b.Reshape(*new_values[r], flat_dims), n));
+    // A dynamic output's buffer is canonical for its own extent's bucket
+    // (PolyBufferNumel of a reader at that bucket): its numel with the
+    // dynamic dim at Capacity(its size at the bucket) — the bucket itself,
+    // or for cat the Capacity of a * B + c rows (PlanPolyConcat); at least
+    // the tensor's elements for every extent of the bucket.
+    int64_t n = Capacity(flat_dims[0]);
+    if (dynamic) {
+      const int64_t rows = out.sizes[static_cast<size_t>(dynamic_out[r])];
+      n = rows == 0 ? 0 : flat_dims[0] / rows * Capacity(rows);
+    }
+    // A permuted dynamic output (PolySpec): AddCall gave its values in
+    // memory order, where the dynamic dim is at `physical_dim`.
+    std::vector<int64_t> order;
+    int64_t physical_dim = dynamic ? dynamic_out[r] : 0;
+    if (dynamic && !spec.strides[r].empty()) {
+      order = PhysicalOrder(out.sizes, spec.strides[r]);
+      physical_dim = std::find(order.begin(), order.end(), dynamic_out[r]) - order.begin();
+    }
+    program_results.push_back(
+        dynamic ? lowering::ResizeFlat(pb.b, pb.PolyWrite(*new_values[r], physical_dim, affine[r].first,
+                                                          affine[r].second), n)
+                : lowering::ResizeFlat(pb.b, pb.b.Reshape(*new_values[r], flat_dims), n));
     OutputSlot slot;
     slot.kind = OutputSlot::Kind::kNewTensor;
     slot.dtype = out.dtype;
     slot.sizes = out.sizes;
-    slot.strides = spec.strides[r];
+    slot.strides = dynamic ? std::vector<int64_t>{} : spec.strides[r];  // a dynamic one's: `order`
     slot.element = lowering::ToElementType(out.dtype);
     slot.numel = n;
     slot.dynamic = dynamic;
     slot.dynamic_dim = static_cast<int8_t>(dynamic ? dynamic_out[r] : 0);
     if (dynamic) std::tie(slot.dynamic_scale, slot.dynamic_offset) = affine[r];
+    slot.order = std::move(order);
     compiled->returns.push_back({false, static_cast<int16_t>(compiled->outputs.size())});
     compiled->outputs.push_back(std::move(slot));
   }
@@ -1727,15 +1874,18 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   const bool poly_on = shape_poly && ShapePolyEnabled() &&
                        (entry.traits.shape_poly != lowering::PadFill::kNone || entry.traits.poly_flat);
   // cat: one candidate, its cat dim (PlanPolyConcat); random fills: one,
-  // the numel (PlanPolyFlat, dim -1); else every dim.
+  // the numel (PlanPolyFlat, dim -1); mm/addmm: one, the left matrix's
+  // rows (PlanPolyMatmul); else every dim.
   const int64_t poly_rank = !poly_on                                             ? 0
-                            : entry.traits.poly_concat || entry.traits.poly_flat ? 1
-                                                                                 : PolyRank(op, stack, first, poly_leader);
+                            : entry.traits.poly_concat || entry.traits.poly_flat || entry.traits.poly_matmul
+                                ? 1
+                                : PolyRank(op, stack, first, poly_leader);
   for (int64_t candidate = 0; candidate < poly_rank; ++candidate) {
     PolyPlan plan;
-    if (entry.traits.poly_flat    ? !PlanPolyFlat(op, stack, first, entry, plan)
-        : entry.traits.poly_concat ? !PlanPolyConcat(op, stack, first, entry, plan)
-                                   : !PlanPoly(op, stack, first, entry, candidate, plan))
+    if (entry.traits.poly_flat     ? !PlanPolyFlat(op, stack, first, entry, plan)
+        : entry.traits.poly_concat  ? !PlanPolyConcat(op, stack, first, entry, plan)
+        : entry.traits.poly_matmul  ? !PlanPolyMatmul(op, stack, first, entry, plan)
+                                    : !PlanPoly(op, stack, first, entry, candidate, plan))
       continue;
     const int64_t dim = plan.dim;
     thread_local OpKey poly_key;
@@ -1803,6 +1953,17 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   return cache_.Insert(key, std::move(compiled));
 }
 
+std::vector<int64_t> OutputStrides(const OutputSlot& o, std::span<const int64_t> sizes) {
+  if (o.order.empty()) return o.strides;
+  std::vector<int64_t> strides(sizes.size(), 0);
+  int64_t stride = 1;
+  for (size_t i = o.order.size(); i-- > 0;) {
+    strides[static_cast<size_t>(o.order[i])] = stride;
+    stride *= sizes[static_cast<size_t>(o.order[i])];
+  }
+  return strides;
+}
+
 DeviceStorage& StorageOf(const at::Tensor& t) {
   const c10::DataPtr& data = t.storage().data_ptr();
   // The tpu allocator's DataPtrs have the DeviceStorage as context; any other
@@ -1842,6 +2003,57 @@ const at::Tensor& TensorOf(const ArgResolver& arg_of, int32_t call, int16_t arg,
   return v.toListRef()[static_cast<size_t>(item)].toTensor();
 }
 
+namespace {
+
+// `sb`'s contents in a buffer of `numel` elements (the prefix copied, the
+// rest zeros; a shorter buffer keeps the first `numel`): a device program
+// per (element type, sizes), compiled once and counted in
+// metrics()["compiles"] and in compiles_by_op as "tpu::resize_buffer".
+// The new buffer inherits `sb`'s checks and producer. Asynchronous like any
+// launch (tracked for the next sync point).
+StorageBuffer ResizeStorageBuffer(const StorageBuffer& sb, int64_t numel, int device_index) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int64_t, int64_t>, std::shared_ptr<pjrt::Executable>> programs;
+  auto& rt = Runtime::Get();
+  const auto key = std::make_tuple(static_cast<int>(sb.element), sb.numel, numel);
+  std::shared_ptr<pjrt::Executable> exe;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (auto it = programs.find(key); it != programs.end()) exe = it->second;
+  }
+  if (!exe) {
+    const auto start = std::chrono::steady_clock::now();
+    hlo::Builder b;
+    hlo::Value in = b.Parameter(hlo::TensorType{sb.element, {sb.numel}});
+    hlo::Value out[] = {lowering::ResizeFlat(b, in, numel)};
+    b.Return(out);
+    const std::string name = "tpu::resize_buffer";
+    exe = CompileModule(name, b.Module(), /*single_op=*/true);
+    CallSignature signature;
+    signature.layout = c10::hash_combine(std::hash<int64_t>()(sb.numel), std::hash<int64_t>()(numel));
+    signature.dtypes = std::hash<int>()(static_cast<int>(sb.element));
+    signature.shapes = "[" + std::to_string(sb.numel) + "] -> [" + std::to_string(numel) + "]";
+    CompileStats::Get().Record(name, signature,
+                               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    std::lock_guard<std::mutex> lock(mutex);
+    if (programs.size() >= MaxCachedExecutables()) programs.clear();  // a bound: recompiled on demand
+    programs.emplace(key, exe);
+  }
+  pjrt::Buffer* args[] = {sb.buffer.get()};
+  std::unique_ptr<pjrt::Event> done;
+  std::vector<std::unique_ptr<pjrt::Buffer>> outs;
+  try {
+    outs = exe->Execute(args, rt.device(device_index), {}, &done);
+  } catch (const pjrt::Error& e) {
+    RethrowDeviceError(e, "tpu::resize_buffer", device_index);
+  }
+  rt.metrics().executions++;
+  if (done) rt.Track(std::move(done), "tpu::resize_buffer");
+  return StorageBuffer{std::shared_ptr<pjrt::Buffer>(std::move(outs[0])), sb.element, numel, sb.producer, sb.checks};
+}
+
+}  // namespace
+
 LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolver& arg_of, int default_device,
                           const std::vector<int64_t>& donors, bool poisoned_ok) {
   auto& rt = Runtime::Get();
@@ -1853,7 +2065,26 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
     if (s.kind != InputSlot::Kind::kStorage) continue;
     const at::Tensor& t = TensorOf(arg_of, s.call, s.arg, s.item);
     if (device_index < 0) device_index = t.device().index();
-    const StorageBuffer& sb = StorageOf(t).Materialize(s.element, poisoned_ok);
+    DeviceStorage& storage = StorageOf(t);
+    const StorageBuffer* current = &storage.Materialize(s.element, poisoned_ok);
+    if (s.numel >= 0 && current->numel != s.numel) {
+      // The buffer the program declares (InputSlot::numel): the storage's
+      // contents resized to it. For a poly read (its canonical buffer) the
+      // storage keeps the new buffer where it holds all its elements (the
+      // next read hits); otherwise (a prefix view of a longer storage, or a
+      // buffer swapped since the call was keyed) it is this launch's.
+      StorageBuffer resized = ResizeStorageBuffer(*current, s.numel, t.device().index());
+      if (s.canonical && static_cast<size_t>(s.numel) * ElementSize(s.element) >= storage.nbytes()) {
+        storage.Set(std::move(resized));
+        current = &storage.current();
+      } else {
+        li.temps.push_back(resized.buffer);
+        if (!resized.checks.empty()) InheritChecks(li.checks, resized.checks);
+        li.buffers[i] = resized.buffer.get();
+        continue;
+      }
+    }
+    const StorageBuffer& sb = *current;
     if (!sb.checks.empty()) InheritChecks(li.checks, sb.checks);
     li.buffers[i] = sb.buffer.get();
     if (sb.buffer.use_count() == 1 && std::find(donors.begin(), donors.end(), static_cast<int64_t>(i)) != donors.end())
@@ -1951,7 +2182,7 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
       std::vector<int64_t> sizes = o.sizes;
       if (op.poly_dim < 0) sizes = leader.sizes().vec();  // flat (PlanPolyFlat): the leader's sizes
       else sizes[static_cast<size_t>(o.dynamic_dim)] = o.dynamic_scale * leader.size(op.poly_dim) + o.dynamic_offset;
-      new_tensors.push_back(WrapBuffer(std::move(sb), sizes, o.dtype, li.device_index));
+      new_tensors.push_back(WrapBuffer(std::move(sb), sizes, o.dtype, li.device_index, OutputStrides(o, sizes)));
     } else if (o.kind == OutputSlot::Kind::kNewTensor) {
       new_tensors.push_back(WrapBuffer(std::move(sb), o.sizes, o.dtype, li.device_index, o.strides));
     } else {

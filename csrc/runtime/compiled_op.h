@@ -60,6 +60,21 @@ struct InputSlot {
   // RngIncrementOf(numel of argument `rng_numel_of`) at launch instead.
   int16_t rng_numel_of = -1;
   int8_t extent_dim = 0;      // kExtent: the dynamic dim of argument `arg`
+  // kStorage: the elements of the buffer the parameter declares
+  // (ProgramBuilder::ReadFlat records it for every storage): the storage's
+  // buffer when the call was keyed, or for a shape-polymorphic program's
+  // dynamic read the canonical size at the bucket (`canonical`). A launch
+  // given a buffer of another size resizes it (GatherInputs,
+  // ResizeStorageBuffer) instead of failing in PJRT: the buffer can change
+  // between a call's key and its launch, as a poly program launched in
+  // between swaps in a storage's canonical buffer (debug mode's index
+  // check downloads the index, which may clone it through a bucket
+  // program). -1: not recorded (the storage's buffer as it is).
+  int64_t numel = -1;
+  // The storage keeps the resized buffer where it holds all its elements
+  // (a poly read: the next poly read at the bucket finds it); otherwise the
+  // resized copy is the launch's own and the storage keeps its buffer.
+  bool canonical = false;
 };
 
 // What each executable output becomes.
@@ -76,7 +91,16 @@ struct OutputSlot {
   int8_t dynamic_dim = 0;
   int64_t dynamic_scale = 1;    // cat of `scale` dynamic operands ...
   int64_t dynamic_offset = 0;   // ... and static ones of `offset` elements along the dim (PlanPolyConcat)
+  // `dynamic` and permuted (strides not row-major): the dims outermost to
+  // innermost in memory (PhysicalOrder); the launch's strides follow it.
+  std::vector<int64_t> order;
 };
+
+// A new tensor output's strides at `sizes` (the launch's, for a dynamic
+// one): OutputSlot::strides, or for a permuted dynamic output the dense
+// strides of its `order` (size-1 dims get the stride of their place in it).
+// Empty: row-major.
+std::vector<int64_t> OutputStrides(const OutputSlot& o, std::span<const int64_t> sizes);
 
 // The op's returns: a new tensor (index into outputs) or an argument
 // returned as it is (in-place and out= ops).
@@ -184,6 +208,7 @@ class ProgramBuilder {
     std::optional<hlo::Value> param;    // the storage as read from its buffer
     std::optional<hlo::Value> current;  // its value after this program's writes
     int32_t input_index = -1;           // the parameter (= input) holding `param`
+    bool poly = false;                  // read as a dynamic tensor: `numel` is the canonical size (PolyRows)
   };
   hlo::Builder b;
   std::vector<InputSlot> inputs;
@@ -245,6 +270,10 @@ class ProgramBuilder {
   hlo::Value ReadFlat(StorageState& st);
   hlo::Value ReadTensor(const at::Tensor& t, const InputSlot& use);
   bool PolyDynamic(const InputSlot& use) const;
+  // The canonical buffer of a dynamic tensor at the bucket (the parameter's
+  // size whatever the storage's buffer is): its contiguous block with the
+  // dynamic dim at Capacity(bucket), in elements.
+  int64_t PolyBufferNumel(const at::Tensor& t) const;
   hlo::Value PolyRows(const at::Tensor& t, hlo::Value flat);  // a dynamic tensor at the bucket, padding filled
   void WriteTensor(const at::Tensor& t, const InputSlot& use, hlo::Value value);
 };
@@ -455,9 +484,10 @@ struct StorageIds {
   int64_t Id(const DeviceStorage* s);
 };
 // `dynamic`/`extent`/`dim` (shape-polymorphic keys): marked tensors are
-// keyed with size(dim) = extent, no strides (they are contiguous) and,
-// instead of the storage's bytes, whether they cover them all; extent < 0
-// (a family key) leaves out their buffer sizes too.
+// keyed with size(dim) = extent (-1: a family key), their memory order
+// instead of strides and, instead of the storage's bytes, whether they
+// cover them all; never their buffer's size (the program declares the
+// canonical one, InputSlot::numel).
 void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                    const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& storage_ids,
                    std::span<const int8_t> dynamic = {}, int64_t extent = 0, int64_t dim = 0);

@@ -626,15 +626,27 @@ def test_cat_dynamic_operand_values(mode):
                 _same(torch.cat([t.to(TPU) for t in tensors], dim), torch.cat(tensors, dim))
 
 
+def _op_compiles(name):
+    return torch_tpu.metrics()["compiles_by_op"].get(name, {}).get("compiles", 0)
+
+
 def _cat_compiles():
-    return torch_tpu.metrics()["compiles_by_op"].get("aten::cat", {}).get("compiles", 0)
+    return _op_compiles("aten::cat")
+
+
+def _resizes():
+    """Compiles of the buffer resize (a launch giving a dynamic input the canonical size)."""
+    return _op_compiles("tpu::resize_buffer")
 
 
 def test_cat_bounded_compiles(strict):
     """20 lengths of the KV-cache cat and the mask cat (fresh uploads): per call site at most
-    kPolyAfter exact programs plus one per bucket; later lengths of a bucket compile nothing."""
+    kPolyAfter exact programs plus one per bucket of the output's n + 1 rows (cat is bucketed
+    by its output); later lengths of a bucket compile nothing. (The bound was 2 + the
+    operand's buckets for both sites together, which held only after earlier tests had
+    compiled some of these programs: 12 compiles in a fresh process.)"""
     lengths = list(range(101, 121))
-    buckets = {capacity(n) for n in lengths}
+    buckets = {capacity(n + 1) for n in lengths}
     before = _cat_compiles()
     for n in lengths:
         for tensors, dim in _cat_cases(n)[:2]:
@@ -650,14 +662,17 @@ def test_cat_bounded_compiles(strict):
 
 def test_cat_growing_cache(strict):
     """The KV cache as generate() grows it (each step's past is the previous step's cat
-    output, a bucket-sized buffer): values equal CPU's at every step; cat compiles at most
-    kPolyAfter exact programs plus two per bucket (a bucket's first step reads the previous
-    bucket's buffer, whose size is in the key)."""
+    output, a buffer canonical for its own bucket): values equal CPU's at every step; cat
+    compiles at most kPolyAfter exact programs plus one per bucket (cat is bucketed by its
+    output's rows), the buffer resize at most one per bucket (a bucket's first step pads the
+    previous bucket's buffer), and the reader `past * 2` one per bucket (buffer size not in
+    the key)."""
     past_cpu = _data_at((1, 2, 100, 8), torch.float64, seed=1)
     past = past_cpu.to(TPU)
     lengths = list(range(100, 130))
     buckets = {capacity(n) for n in lengths}
     before = _cat_compiles()
+    resizes_before, muls_before = _resizes(), _op_compiles("aten::mul.Tensor")
     for n in lengths:
         new_cpu = _data_at((1, 2, 1, 8), torch.float64, seed=n)
         past_cpu = torch.cat([past_cpu, new_cpu], -2)
@@ -665,4 +680,320 @@ def test_cat_growing_cache(strict):
         _same(past, past_cpu)
         _same(past * 2, past_cpu * 2)  # the bucket-sized buffer feeds other programs
     compiles = _cat_compiles() - before
-    assert compiles <= 2 + 2 * len(buckets), (compiles, len(buckets))
+    assert compiles <= 2 + len(buckets), (compiles, len(buckets))
+    assert _resizes() - resizes_before <= len(buckets), (_resizes() - resizes_before, len(buckets))
+    muls = _op_compiles("aten::mul.Tensor") - muls_before
+    assert muls <= 2 + len(buckets), (muls, len(buckets))
+
+
+# --- matmul rows: mm, addmm --------------------------------------------------
+
+MATMUL_LENGTHS = [0, 1, 2, 15, 16, 17, 19, 20, 21, 127, 128, 129]
+
+
+def _device_result(fn):
+    """fn()'s result from the device program: in strict mode host-first serves a key's first
+    two calls on the CPU (the second queues its compile; metrics() waits for it)."""
+    fn()
+    fn()
+    torch_tpu.metrics()
+    return fn()
+
+
+def _matmul_cases(n, dtype=torch.float32):
+    """(CPU fn, tpu fn) pairs over an [n, 24] left matrix: mm, addmm with a [40] bias and
+    with a [1, 40] bias (alpha/beta), a transposed left matrix (a read-only permuted view),
+    F.linear over [2, n, 24] (addmm over its [2n, 24] view), and addmm with an [n, 40] bias
+    (spans the rows: stays exact). Row 0 holds NaN and inf (special values), which stay in
+    output row 0 as on CPU."""
+    a = _data_at((n, 24), dtype, seed=1)
+    at_ = _data_at((24, n), dtype, seed=2)
+    w = _data_at((24, 40), dtype, seed=3, special=False)
+    bias = _data_at((40,), dtype, seed=4, special=False)
+    bias_row = _data_at((1, 40), dtype, seed=5, special=False)
+    bias_full = _data_at((n, 40), dtype, seed=6, special=False)
+    x3 = _data_at((2, n, 24), dtype, seed=7)
+    lw = _data_at((40, 24), dtype, seed=8, special=False)
+    t = lambda z: z.to(TPU)  # noqa: E731
+    cases = [
+        (lambda: a @ w, lambda: t(a) @ t(w)),
+        (lambda: torch.addmm(bias, a, w), lambda: torch.addmm(t(bias), t(a), t(w))),
+        (lambda: torch.addmm(bias_row, a, w, beta=0.5, alpha=2.0),
+         lambda: torch.addmm(t(bias_row), t(a), t(w), beta=0.5, alpha=2.0)),
+        (lambda: at_.t() @ w, lambda: t(at_).t() @ t(w)),
+        (lambda: torch.addmm(bias_full, a, w), lambda: torch.addmm(t(bias_full), t(a), t(w))),
+    ]
+    if dtype.is_floating_point:
+        cases.append((lambda: torch.nn.functional.linear(x3, lw, bias),
+                      lambda: torch.nn.functional.linear(t(x3), t(lw), t(bias))))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_matmul_rows_values(mode, dtype):
+    """mm/addmm along the left matrix's rows (PlanPolyMatmul) at lengths 0, 1, 2 and around
+    the bucket edges 16, 20, 128 after two other lengths warmed each family (so the bucket
+    programs serve them), each compared on the device program's result: float32 within the
+    harness's matmul tolerance (NaN and inf in their rows), int64 exactly."""
+    exact = not dtype.is_floating_point
+    with no_cpu_fallback():
+        for n in [200, 230] + MATMUL_LENGTHS:
+            for cpu_fn, tpu_fn in _matmul_cases(n, dtype):
+                _same(_device_result(tpu_fn), cpu_fn(), exact=exact)
+
+
+def test_matmul_rows_bounded_compiles(strict):
+    """20 lengths in (100, 120] of mm and addmm ([n, 24] left matrix, [24, 40] right, a [40]
+    bias) and of F.linear over [2, n, 24] (addmm over [2n, 24] rows): mm and addmm compile
+    at most kPolyAfter exact programs plus one per bucket of their rows per call site
+    (before: one per length)."""
+    lengths = list(range(101, 121))
+    buckets = {capacity(n) for n in lengths}
+    buckets2 = {capacity(2 * n) for n in lengths}
+    before = {op: _op_compiles(op) for op in ("aten::mm", "aten::addmm")}
+    with no_cpu_fallback():
+        for n in lengths:
+            cases = _matmul_cases(n)
+            for k in (0, 1, 5):  # mm, addmm with a [40] bias, linear (addmm over [2n, 24])
+                cpu_fn, tpu_fn = cases[k]
+                _same(_device_result(tpu_fn), cpu_fn(), exact=False)
+    mm = _op_compiles("aten::mm") - before["aten::mm"]
+    addmm = _op_compiles("aten::addmm") - before["aten::addmm"]
+    assert mm <= 2 + len(buckets), (mm, len(buckets))
+    assert addmm <= 2 + len(buckets) + 2 + len(buckets2), (addmm, len(buckets), len(buckets2))
+    assert addmm < len(lengths)
+
+
+# --- layer norm along a batch dim ---------------------------------------------
+
+def _layer_norm_cases(n):
+    """(CPU fn, tpu fn) pairs: F.layer_norm over [2, n, 24] with weight and bias, without
+    them, over the last two dims of [n, 3, 8], and over [4, n] normalized along n itself
+    (the dynamic dim is a normalized one there: PlanPoly must keep it exact). NaN and inf
+    in the first row stay in that row, as on CPU."""
+    F = torch.nn.functional
+    x = _data_at((2, n, 24), seed=1)
+    y = _data_at((n, 3, 8), seed=2)
+    z = _data_at((4, n), seed=3)
+    w, b = _data_at((24,), seed=4, special=False), _data_at((24,), seed=5, special=False)
+    t = lambda v: v.to(TPU)  # noqa: E731
+    cases = [
+        (lambda: F.layer_norm(x, (24,), w, b), lambda: F.layer_norm(t(x), (24,), t(w), t(b))),
+        (lambda: F.layer_norm(x, (24,)), lambda: F.layer_norm(t(x), (24,))),
+        (lambda: F.layer_norm(y, (3, 8)), lambda: F.layer_norm(t(y), (3, 8))),
+    ]
+    if n:
+        cases.append((lambda: F.layer_norm(z, (n,)), lambda: F.layer_norm(t(z), (n,))))
+    return cases
+
+
+def test_layer_norm_batch_dim_values(mode):
+    """native_layer_norm along a batch dim at lengths 0, 1, 2 and around the bucket edges
+    16, 20, 128 after two other lengths warmed each family: the device program's result
+    equals CPU within the harness's float tolerance (NaN and inf in their rows), and a
+    normalized dynamic dim stays exact (same values)."""
+    with no_cpu_fallback():
+        for n in [200, 230] + MATMUL_LENGTHS:
+            for cpu_fn, tpu_fn in _layer_norm_cases(n):
+                _same(_device_result(tpu_fn), cpu_fn(), exact=False)
+
+
+def test_layer_norm_bounded_compiles(strict):
+    """20 lengths in (100, 120] of F.layer_norm over [2, n, 24]: at most kPolyAfter exact
+    programs plus one per bucket (before: one per length); over [4, n] normalized along n:
+    one per length (never a bucket program)."""
+    F = torch.nn.functional
+    lengths = list(range(101, 121))
+    buckets = {capacity(n) for n in lengths}
+    before = _op_compiles("aten::native_layer_norm")
+    with no_cpu_fallback():
+        for n in lengths:
+            cpu_fn, tpu_fn = _layer_norm_cases(n)[0]
+            _same(_device_result(tpu_fn), cpu_fn(), exact=False)
+    compiles = _op_compiles("aten::native_layer_norm") - before
+    assert compiles <= 2 + len(buckets), (compiles, len(buckets))
+    before = _op_compiles("aten::native_layer_norm")
+    with no_cpu_fallback():
+        for n in lengths[:6]:
+            cpu_fn, tpu_fn = _layer_norm_cases(n)[3]
+            _same(_device_result(tpu_fn), cpu_fn(), exact=False)
+    assert _op_compiles("aten::native_layer_norm") - before == 6
+
+
+# --- the buffer size is not in the bucket key ------------------------------
+
+BUFFER_LENGTHS = [0, 1, 15, 16, 17, 31, 32, 33]
+
+
+def _producers(n, seed):
+    """[2, n, 3] float32 tensors (CPU value, tpu tensor) whose buffers differ: an upload
+    (Capacity(6n) elements), an exact program's output (cumsum: never polymorphic, Capacity(6n)),
+    a polymorphic program's output at n's bucket (2 * Capacity(n) * 3), and the first 6n
+    elements of a polymorphic output of [2, 2n + 40, 3] (another bucket, a longer storage:
+    read through a resized copy, the storage keeps its buffer)."""
+    x = _data_at((2, n, 3), seed=seed)
+    long = _data_at((2, 2 * n + 40, 3), seed=seed + 1)
+    t, tl = x.to(TPU), long.to(TPU)
+    prefix = (long * 1.5).view(-1)[: 6 * n].view(2, n, 3)
+    prefix_t = (tl * 1.5).view(-1)[: 6 * n].view(2, n, 3)
+    return [(x, t), (torch.cumsum(x, 0), torch.cumsum(t, 0)), (x * 1.5, t * 1.5), (prefix, prefix_t)]
+
+
+def test_inputs_of_any_buffer_size(mode):
+    """Polymorphic programs read inputs whatever their buffer's size (uploads, exact
+    programs' Capacity(numel) buffers, polymorphic outputs of this bucket or of another):
+    elementwise, in-place, reductions with padding filled (NaN and inf included), softmax
+    over the dynamic dim, and a cat, all equal CPU exactly (sums to float32 tolerance) at
+    lengths 0, 1 and around the bucket edges 16 and 32."""
+    with no_cpu_fallback():
+        for n in BUFFER_LENGTHS:
+            for k, (x, t) in enumerate(_producers(n, seed=11)):
+                _same(t * 2.5 + 1.25, x * 2.5 + 1.25)
+                if n:
+                    _same(t.amax(1), x.amax(1))
+                _same(t.sum(1), x.sum(1), exact=False)
+                _same(torch.isneginf(t).any(1), torch.isneginf(x).any(1))
+                _same(t.transpose(1, 2).softmax(-1), x.transpose(1, 2).softmax(-1), exact=False)
+                _same(torch.cat([t, t[:, :1]], 1), torch.cat([x, x[:, :1]], 1))
+                y, yc = t.clone(), x.clone()
+                y.mul_(3.0)
+                yc.mul_(3.0)
+                _same(y, yc)
+                _same(t, x)  # a resized input still holds its values
+
+
+def test_integer_inputs_of_any_buffer_size(mode):
+    """int64 and bool inputs from exact programs (Capacity(numel) buffers, padded with zeros
+    by the resize) through sum, amin and all: exact, the padding never counted."""
+    with no_cpu_fallback():
+        for n in BUFFER_LENGTHS[1:]:
+            x = _data_at((3, n), torch.int64, seed=5)
+            t = torch.cumsum(x.to(TPU), 0)
+            xc = torch.cumsum(x, 0)
+            _same(t.sum(1), xc.sum(1))
+            _same(t.amin(1), xc.amin(1))
+            b, bc = t > -1000, xc > -1000
+            _same(b.all(1), bc.all(1))
+            _same((t + 1).prod(1), (xc + 1).prod(1))
+
+
+def test_buffer_size_not_in_key_bounded_compiles(strict):
+    """Over 20 lengths in (100, 120] with [2, n, 3] inputs from exact programs (cumsum,
+    Capacity(6n) buffers: a new size at nearly every length), the polymorphic readers compile
+    at most kPolyAfter exact programs plus one per bucket each (before: one per buffer
+    size), and the resizes one per (buffer size, bucket), shared by the readers."""
+    lengths = list(range(101, 121))
+    buckets = {capacity(n) for n in lengths}
+    ops = ("aten::mul.Tensor", "aten::add.Tensor", "aten::sum.dim_IntList")
+    before = {op: _op_compiles(op) for op in ops}
+    resizes = _resizes()
+    for n in lengths:
+        x = torch.cumsum(_data_at((2, n, 3), torch.float64, seed=3, special=False), 0)
+        t = torch.cumsum(_data_at((2, n, 3), torch.float64, seed=3, special=False).to(TPU), 0)
+        _same(t * t + t, x * x + x)
+        _same(t.sum(1), x.sum(1), exact=False)
+    for op in ops:
+        compiles = _op_compiles(op) - before[op]
+        assert compiles <= 2 + len(buckets), (op, compiles, len(buckets))
+    assert _resizes() - resizes <= len(lengths)
+
+
+def test_buffer_swapped_between_key_and_launch():
+    """A program keyed at a storage's buffer is launched with whatever buffer the storage has
+    then. In debug mode the index check of gather/scatter_ downloads the index between the
+    call's key and its launch; a transposed index is cloned for that, and once clone's family
+    has compiled kPolyAfter shapes the clone is a bucket program, which swaps the index
+    storage's Capacity(7n) buffer for the bucket's canonical one (7 * Capacity(n)). The
+    launch then resizes the buffer to the one the program declares (before: PJRT's
+    'Executable expected parameter 1 of size 640 but got buffer with incompatible size
+    896', test_dynamic_shape's debug unique_dim after the nonzero tests). Values equal
+    CPU's exactly."""
+    g = torch.Generator().manual_seed(7)
+    resizes = _resizes()
+    with torch_tpu.eager_mode("debug"), no_cpu_fallback():
+        for n in (9, 10, 11, 12):  # 9, 10: clone's exact programs; 11, 12: its [7, 16] bucket program
+            # every column of idx a permutation of 0..6 (scatter_ writes each element once)
+            idx = torch.argsort(torch.rand(n, 7, generator=g), dim=1).t()
+            src = torch.randn(7, n, generator=g)
+            i, s = idx.t().to(TPU).t(), src.to(TPU)  # a transposed view of a fresh [n, 7] upload
+            assert not i.is_contiguous()
+            _same(torch.gather(s, 0, i), torch.gather(src, 0, idx))
+            _same(torch.zeros(7, n, device=TPU).scatter_(0, i, s), torch.zeros(7, n).scatter_(0, idx, src))
+    assert _resizes() > resizes  # the bucket clone ran between a key and its launch
+
+
+# --- written tensors: out= and in place ------------------------------------
+
+def test_out_and_inplace_values_and_bounded_compiles(strict):
+    """out= (where.self_out with a [1, 4, 1, n] condition, a 0-d value, [1, 4, 1, n] scores
+    and out; attention masking's [1, 4, 1, 1] condition comes first and leads, so that call
+    stays exact) and in-place ops (add_, mul_ on [2, n, 3]) over 20
+    lengths in (100, 120] and the edges 15..17: values equal CPU exactly (NaN and inf
+    included), the out= tensor keeps its identity and shape, and each op compiles at most
+    kPolyAfter exact programs plus one per bucket (before: one per length). The written
+    storage gets the bucket's canonical buffer, so a reader at that bucket needs no resize."""
+    lengths = [15, 16, 17] + list(range(101, 121))
+    buckets = {capacity(n) for n in lengths}
+    ops = ("aten::where.self_out", "aten::add_.Tensor", "aten::mul_.Scalar")
+    before = {op: _op_compiles(op) for op in ops}
+    value = torch.tensor(-1.5)
+    with no_cpu_fallback():
+        for n in lengths:
+            s_cpu = _data_at((1, 4, 1, n), seed=n)
+            cond_cpu = s_cpu > 0
+            cond = cond_cpu.to(TPU)
+            out_cpu = torch.empty_like(s_cpu)
+            torch.where(cond_cpu, s_cpu, value, out=out_cpu)
+            out = torch.empty(1, 4, 1, n, device=TPU)
+            r = torch.where(cond, s_cpu.to(TPU), value.to(TPU), out=out)
+            assert r is out and out.shape == (1, 4, 1, n)
+            _same(out, out_cpu)
+            _same(out * 2, out_cpu * 2)  # the written buffer feeds another program
+            x_cpu = _data_at((2, n, 3), seed=n + 1)
+            x = x_cpu.to(TPU)
+            x.add_(x).mul_(0.5)
+            x_cpu.add_(x_cpu).mul_(0.5)
+            _same(x, x_cpu)
+    for op in ops:
+        compiles = _op_compiles(op) - before[op]
+        assert compiles <= 2 + len(buckets), (op, compiles, len(buckets))
+
+
+def test_out_needing_resize_stays_exact(strict):
+    """An out= of the wrong size is resized as CPU resizes it (one program per shape, never a
+    polymorphic one): values and the out's new shape equal CPU's at every length."""
+    with no_cpu_fallback():
+        for n in [3, 4, 5, 17, 18]:
+            a_cpu = _data_at((2, n), seed=n)
+            out_cpu = torch.empty(0)
+            torch.add(a_cpu, 1.0, out=out_cpu)
+            out = torch.empty(0, device=TPU)
+            torch.add(a_cpu.to(TPU), 1.0, out=out)
+            _same(out, out_cpu)
+
+
+def test_permuted_outputs_values_strides_and_bounded_compiles(strict):
+    """An elementwise op on a transposed view returns CPU's permuted strides (k^T * scale
+    in attention: [1, 4, 16, n] over a contiguous [1, 4, n, 16]): at lengths 2..3, the edges
+    15..17 and 20 lengths in (100, 120], values equal CPU exactly (NaN and inf included),
+    the strides are CPU's (size-1 dims aside), the result feeds a matmul and a reduction,
+    and mul compiles at most kPolyAfter exact programs plus one per bucket."""
+    lengths = [2, 3, 15, 16, 17] + list(range(101, 121))
+    buckets = {capacity(n) for n in lengths}
+    before = _op_compiles("aten::mul.Tensor") + _op_compiles("aten::mul.Scalar")
+    q_cpu = _data_at((1, 4, 1, 16), seed=2, special=False)
+    q = q_cpu.to(TPU)
+    with no_cpu_fallback():
+        for n in lengths:
+            k_cpu = _data_at((1, 4, n, 16), seed=n)
+            kt_cpu = k_cpu.transpose(2, 3) * 0.25
+            kt = k_cpu.to(TPU).transpose(2, 3) * 0.25
+            _same(kt, kt_cpu)
+            big = [d for d in range(4) if kt_cpu.size(d) != 1]
+            assert [kt.stride(d) for d in big] == [kt_cpu.stride(d) for d in big], (kt.stride(), kt_cpu.stride())
+            _same(kt.amax(-1), kt_cpu.amax(-1))
+            k_fin = _data_at((1, 4, n, 16), seed=n, special=False)
+            _same(q @ (k_fin.to(TPU).transpose(2, 3) * 0.25), q_cpu @ (k_fin.transpose(2, 3) * 0.25),
+                  exact=False)
+    compiles = _op_compiles("aten::mul.Tensor") + _op_compiles("aten::mul.Scalar") - before
+    assert compiles <= 2 + len(buckets), (compiles, len(buckets))
