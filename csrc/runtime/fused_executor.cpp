@@ -16,10 +16,14 @@
 // not outputs, so XLA fuses them away. Values never enter the key.
 //
 // Recording checks that each call lowers on its own (the eager OpCache
-// entry, compiled once per signature); a call that cannot is a sync point
-// and runs on the CPU. If the region as a whole fails to build or compile,
-// its calls run one by one through their eager executables instead, as do
-// the regions of a structure that keeps changing sizes (churn, below).
+// entry, built once per signature up to its module text: OpCache::Lookup
+// spec_only, no PJRT compile); a call that cannot is a sync point and runs
+// on the CPU. A new region key's program compiles on the background compile
+// thread (fused mode; a strict-mode region compiles at once) and its calls
+// run one by one meanwhile, each as strict mode runs it (RunStrict:
+// host-served until its single-op program exists, that compile queued at
+// the key's 2nd call); so do the regions of a structure that keeps changing
+// sizes (churn, below) and a region that fails to build or compile.
 //
 // A torch.compile graph launched in fused mode is recorded as ONE call of
 // the region (RecordGraph): its inputs are read like any call's arguments,
