@@ -674,10 +674,15 @@ class FusedExecutor {
         return;
       }
       // Fused mode: a new region compiles off the critical path, as a
-      // host-first single op does (its calls run op by op this time); a
-      // region on disk loads now. A strict-mode region (a multi-tensor op,
-      // calls deferred between graphs) is one program at once.
-      if (CurrentMode() == EagerMode::kFused && !deferred_ && !InDiskCache(built->module_text)) {
+      // host-first single op does (its calls run op by op this time), unless
+      // the program is in a confirmed loop (its iterations repeat the same
+      // calls at the same sizes: the region recurs at the next iteration,
+      // so it compiles now and runs as one program from the first
+      // iteration on, as before); a region on disk loads now. A strict-mode
+      // region (a multi-tensor op, calls deferred between graphs) is one
+      // program at once.
+      if (CurrentMode() == EagerMode::kFused && !deferred_ && !loop_confirmed_ &&
+          !InDiskCache(built->module_text)) {
         CompileInBackground(regions_.Insert(key_, built), name);
         RunOneByOne(alive);
         return;
