@@ -518,4 +518,7 @@ def test_compiled_inference_in_fused_regions_with_mutation_views_and_op_by_op_fa
     # Calls 2 and 3 keep other outputs than the first two: the structure's
     # second key compiles (call 5 runs it), its third (calls 3 and 6) runs
     # op by op (churn).
-    assert regions == [0, 1, 0, 0, 1, 1, 0], f"fused regions per call: {regions}"
+    # (First sights, calls 0 and 2, run as programs where the disk cache
+    # holds the region: it loads at once.)
+    assert regions[0] in (0, 1) and regions[2] in (0, 1), f"fused regions per call: {regions}"
+    assert regions[1:2] + regions[3:] == [1, 0, 1, 1, 0], f"fused regions per call: {regions}"
