@@ -1811,15 +1811,40 @@ int64_t HostFirstCompileAfter() {
 
 void AwaitBackgroundCompiles() { CompileWorker::Get().AwaitAll(); }
 
+void SubmitBackgroundCompile(std::function<void()> task) { CompileWorker::Get().Submit(std::move(task)); }
+
+bool InDiskCache(const std::string& module_text, bool single_op) {
+  return DiskCache::Get().Has(Runtime::Get().client(), module_text, single_op ? SingleOpOptions() : PortableOptions());
+}
+
 std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
                                                   const lowering::LoweringEntry& entry, bool shape_poly,
-                                                  bool* host_served) {
+                                                  bool* host_served, bool spec_only) {
   size_t num_args = op.schema().arguments().size();
   size_t first = stack.size() - num_args;
   thread_local OpKey key;
   BuildKey(op, stack, first, entry, key);
   std::unique_lock<std::mutex> lock(mutex_);
   auto& metrics = Runtime::Get().metrics();
+  // Fused recording: the exact program's spec, compiled or not.
+  // Where a bucket program serves the key in cache_ (strict calls), the
+  // exact entry is kept in recorded_, so recording does not rebuild it.
+  if (spec_only) {
+    if (auto hit = cache_.Find(key); hit && hit->poly_leader < 0) {
+      metrics.cache_hits++;
+      return hit;
+    }
+    if (auto hit = recorded_.Find(key)) {
+      metrics.cache_hits++;
+      return hit;
+    }
+    metrics.cache_misses++;
+    Deferred d;
+    std::shared_ptr<CompiledOp> built(Compile(op, stack, first, entry, nullptr, &d));
+    PrepareBackground(built, d);  // calls = 0: recording is not a call
+    if (!cache_.Find(key)) cache_.Insert(key, built);
+    return recorded_.Insert(key, std::move(built));
+  }
   // A program compiling in the background (an earlier host-first call) is
   // waited for without the lock: the compile thread does not take it.
   // With TORCH_TPU_HOST_FIRST_COMPILE_AFTER = N > 1, a strict call that
@@ -1842,9 +1867,19 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   };
   // An exact key also holds the bucket program that served it (below), for
   // shape_poly callers only: the fused executor reads the call's own spec.
+  // An exact entry a fused recording built (spec_only) and no call has used
+  // yet does not keep a shape_poly caller (a fused region run op by op) off
+  // the polymorphic path: it serves the call only where no bucket program
+  // does, counted as the family's exact shape then (strict mode's keys and
+  // compiles, whichever mode recorded first).
+  std::shared_ptr<const CompiledOp> recorded;
   if (auto hit = cache_.Find(key); hit && (shape_poly || hit->poly_leader < 0)) {
-    metrics.cache_hits++;
-    return ready(std::move(hit));
+    const PendingCompile* p = hit->pending.get();
+    if (!(shape_poly && p && !p->queued && p->calls == 0)) {
+      metrics.cache_hits++;
+      return ready(std::move(hit));
+    }
+    recorded = std::move(hit);
   }
   const bool host_first = host_served && HostFirstCall(op, stack, first, entry);
   // Compiles the built program: in the background (the call is served on
@@ -1940,6 +1975,11 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
       }
     }
     *family = -1;  // declined: this family keeps exact shapes
+  }
+  if (recorded) {
+    for (int* family : families) ++*family;
+    metrics.cache_hits++;
+    return ready(std::move(recorded));
   }
   metrics.cache_misses++;
   std::shared_ptr<const CompiledOp> compiled;

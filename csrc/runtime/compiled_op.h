@@ -315,6 +315,14 @@ int64_t HostFirstCompileAfter();
 // Waits until every queued background compile has finished (OpCache::Clear,
 // before fork(), at exit).
 void AwaitBackgroundCompiles();
+// Runs `task` on the background compile thread (FIFO, after the compiles
+// queued before it; AwaitBackgroundCompiles waits for it too). `task` must
+// not throw. Used by the fused executor for region programs.
+void SubmitBackgroundCompile(std::function<void()> task);
+// Whether the on-disk cache holds `module_text` compiled as CompileModule
+// compiles it (`single_op` as there): a load is cheap, so callers load it
+// at once instead of compiling in the background.
+bool InDiskCache(const std::string& module_text, bool single_op = false);
 // Serves one call on the host as `compiled` would compute it on the device
 // (csrc/aten/fallback.cpp): every tpu storage the call's tensors view is
 // copied to the host (a sync of those buffers only), the ATen CPU kernel
@@ -452,9 +460,18 @@ class OpCache {
   // ServeOnHost and must not Launch it. Every other
   // return is ready to launch (a pending compile is waited for; its error
   // is raised here).
+  //
+  // `spec_only` (the fused executor's recording): a miss builds the program
+  // up to its module text (meta kernel, lowering, slots: the call is
+  // validated and its `spec` known) but compiles nothing; the entry gets an
+  // un-queued PendingCompile and no compile is counted. A hit is returned
+  // as it is, compiled or not (never waited for). The executable is
+  // compiled only when a caller needs it: a strict or debug call of the key
+  // (as for a host-first entry; a fused region run op by op runs its calls
+  // as strict calls).
   std::shared_ptr<const CompiledOp> Lookup(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
                                            const lowering::LoweringEntry& entry, bool shape_poly = false,
-                                           bool* host_served = nullptr);
+                                           bool* host_served = nullptr, bool spec_only = false);
   static constexpr int kPolyAfter = 2;
   size_t size() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -464,12 +481,16 @@ class OpCache {
     AwaitBackgroundCompiles();
     std::lock_guard<std::mutex> lock(mutex_);
     cache_.Clear();
+    recorded_.Clear();
     families_.clear();
   }
 
  private:
   std::mutex mutex_;  // ops run on the Python thread and the autograd thread
   LruCache<OpKey, const CompiledOp, OpKeyHash> cache_;
+  // Exact entries built by spec_only lookups (fused recording), whether or
+  // not cache_ serves their key with a bucket program.
+  LruCache<OpKey, const CompiledOp, OpKeyHash> recorded_;
   // Static compiles per shape family (the key without leading dims and
   // storage sizes); -1: a family the polymorphic path declined.
   std::unordered_map<size_t, int> families_;

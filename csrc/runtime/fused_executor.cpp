@@ -16,10 +16,14 @@
 // not outputs, so XLA fuses them away. Values never enter the key.
 //
 // Recording checks that each call lowers on its own (the eager OpCache
-// entry, compiled once per signature); a call that cannot is a sync point
-// and runs on the CPU. If the region as a whole fails to build or compile,
-// its calls run one by one through their eager executables instead, as do
-// the regions of a structure that keeps changing sizes (churn, below).
+// entry, built once per signature up to its module text: OpCache::Lookup
+// spec_only, no PJRT compile); a call that cannot is a sync point and runs
+// on the CPU. A new region key's program compiles on the background compile
+// thread (fused mode; a strict-mode region compiles at once) and its calls
+// run one by one meanwhile, each as strict mode runs it (RunStrict:
+// host-served until its single-op program exists, that compile queued at
+// the key's 2nd call); so do the regions of a structure that keeps changing
+// sizes (churn, below) and a region that fails to build or compile.
 //
 // A torch.compile graph launched in fused mode is recorded as ONE call of
 // the region (RecordGraph): its inputs are read like any call's arguments,
@@ -148,7 +152,14 @@ struct RegionOutput {
 };
 
 struct CompiledRegion {
+  // Set once `ready` (compiled on the calling thread, or by the background
+  // compile thread: fused mode, CompileInBackground); `failed`: that
+  // compile raised `error` (the key then runs op by op).
   std::unique_ptr<pjrt::Executable> executable;
+  std::string module_text;  // until compiled
+  std::atomic<bool> ready{false};
+  std::atomic<bool> failed{false};
+  std::string error;
   std::vector<InputSlot> inputs;
   std::vector<RegionOutput> outputs;
   std::vector<std::string> check_messages;  // outputs after `outputs`: index checks
@@ -213,11 +224,15 @@ constexpr size_t kMaxSignatures = size_t{1} << 16;  // last-seen map bound (clea
 
 // Churn (adaptive fusion): a region structure (its op sequence, modulo
 // sizes and dtypes) compiled for kMaxSizesPerStructure different keys runs
-// op by op through the single-op executables for any further key, unless
-// that key itself has recurred kHotRecurrence times (then it is compiled:
-// it repeats, so fusing it pays off).
+// op by op (strict mode's calls: host-served until their single-op programs
+// are compiled) for any further key, unless that key itself has been run
+// op by op kHotRecurrence - 1 times (then it is compiled: it repeats, so
+// fusing it pays off). 4, not 3: a generate() call's decoding steps are one
+// structure at a new KV length each, so each key recurs once per call; at 3
+// the third call compiled ~23 regions (27 s on 2 loaded cores) where
+// op by op costs ~nothing more once the single-op programs exist.
 constexpr int kMaxSizesPerStructure = 2;
-constexpr int kHotRecurrence = 3;
+constexpr int kHotRecurrence = 4;
 constexpr size_t kMaxStructures = 4096;
 
 // TORCH_TPU_FUSED_LOOPS=0 turns loop detection off (regions end at sync
@@ -241,7 +256,8 @@ class FusedExecutor {
     // side effect: the caller then runs it on the CPU, a sync point).
     std::shared_ptr<const CompiledOp> eager;
     try {
-      eager = GlobalOpCache().Lookup(op, *stack, entry);
+      eager = GlobalOpCache().Lookup(op, *stack, entry, /*shape_poly=*/false, /*host_served=*/nullptr,
+                                     /*spec_only=*/true);
     } catch (const UnsupportedOp&) {
       FlushLocked(Cause::kSync);
       throw;
@@ -623,8 +639,20 @@ class FusedExecutor {
     for (const auto& a : alive) key_.push_back(a ? 1 : 0);
     std::shared_ptr<CompiledRegion> region = regions_.Find(key_);
     auto& metrics = Runtime::Get().metrics();
+    const std::string name = "fused region of " + std::to_string(calls_.size()) + " ops";
+    auto warn = [&](const std::string& error) {
+      TORCH_WARN_ONCE("torch_tpu: a fused region of ", calls_.size(),
+                      " ops could not be compiled as one program; running its ops one by one (", error, ")");
+    };
     if (region) {
       metrics.cache_hits++;
+      if (!region->ready.load(std::memory_order_acquire)) {
+        // Compiling in the background: the calls run as strict mode runs
+        // them meanwhile (never waiting for the region).
+        if (region->failed.load(std::memory_order_acquire)) warn(region->error);
+        RunOneByOne(alive);
+        return;
+      }
     } else {
       metrics.cache_misses++;
       // Churn applies to fused mode's regions and to those deferred between
@@ -634,16 +662,62 @@ class FusedExecutor {
         RunOneByOne(alive);
         return;
       }
+      std::shared_ptr<CompiledRegion> built;
       try {
-        region = regions_.Insert(key_, Build(alive));
+        built = Build(alive);
       } catch (const std::exception& e) {
-        TORCH_WARN_ONCE("torch_tpu: a fused region of ", calls_.size(),
-                        " ops could not be compiled as one program; running its ops one by one (", e.what(), ")");
+        warn(e.what());
         RunOneByOne(alive);
         return;
       }
+      // Fused mode: a new region compiles off the critical path, as a
+      // host-first single op does (its calls run op by op this time), unless
+      // the program is in a confirmed loop (its iterations repeat the same
+      // calls at the same sizes: the region recurs at the next iteration,
+      // so it compiles now and runs as one program from the first
+      // iteration on, as before); a region on disk loads now. A strict-mode
+      // region (a multi-tensor op, calls deferred between graphs) is one
+      // program at once.
+      if (CurrentMode() == EagerMode::kFused && !deferred_ && !loop_confirmed_ &&
+          !InDiskCache(built->module_text)) {
+        CompileInBackground(regions_.Insert(key_, built), name);
+        RunOneByOne(alive);
+        return;
+      }
+      try {
+        built->executable = CompileModule(name, built->module_text);
+      } catch (const std::exception& e) {
+        warn(e.what());
+        RunOneByOne(alive);
+        return;
+      }
+      built->module_text.clear();
+      built->ready.store(true, std::memory_order_release);
+      region = regions_.Insert(key_, std::move(built));
     }
     Run(*region, alive);
+  }
+
+  // Queues `region`'s compile on the background compile thread, counted
+  // now (metrics()["compiles"] does not depend on when it ends;
+  // torch_tpu.metrics() waits for it). Until it is ready the key's regions
+  // run op by op; a compile error is kept and warned about at the key's
+  // next flush (it then always runs op by op).
+  static void CompileInBackground(std::shared_ptr<CompiledRegion> region, const std::string& name) {
+    Runtime::Get().metrics().compiles++;
+    SubmitBackgroundCompile([region = std::move(region), name] {
+      try {
+        region->executable = CompileModule(name, region->module_text, /*single_op=*/false, /*count=*/false);
+        region->module_text.clear();
+        region->ready.store(true, std::memory_order_release);
+      } catch (const std::exception& e) {
+        region->error = e.what();
+        region->failed.store(true, std::memory_order_release);
+      } catch (...) {
+        region->error = "unknown error";
+        region->failed.store(true, std::memory_order_release);
+      }
+    });
   }
 
   // On a region-cache miss: whether this region's structure (its sequence
@@ -730,7 +804,9 @@ class FusedExecutor {
     return python > (cpp > 0 ? 1u : 0u);
   }
 
-  std::unique_ptr<CompiledRegion> Build(const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& alive) {
+  // The region's program (module text, input and output slots), not
+  // compiled yet.
+  std::shared_ptr<CompiledRegion> Build(const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& alive) {
     ProgramBuilder pb;
     size_t next_created = 0;
     // Each call is lowered under the default dtype it was recorded (and
@@ -756,7 +832,7 @@ class FusedExecutor {
                   lowering::ResizeFlat(pb.b, pb.b.Reshape(*values[r], dims), cs.numel));
       }
     }
-    auto region = std::make_unique<CompiledRegion>();
+    auto region = std::make_shared<CompiledRegion>();
     std::vector<hlo::Value> results;
     for (const auto& st : pb.storages) {
       if (!st.current) continue;
@@ -780,7 +856,7 @@ class FusedExecutor {
     }
     pb.b.Return(results);
     region->inputs = std::move(pb.inputs);
-    region->executable = CompileModule("fused region of " + std::to_string(calls_.size()) + " ops", pb.b.Module());
+    region->module_text = pb.b.Module();
     return region;
   }
 
@@ -882,22 +958,38 @@ class FusedExecutor {
     (void)alive;  // kept alive until the storages are set
   }
 
-  // The region's calls through their single-op executables, in order;
-  // each new output's buffer goes to the pending storage handed out.
+  // The region's calls one by one, each exactly as strict mode runs it
+  // (RunStrict: the same keys, shape-polymorphic programs included; a key
+  // whose program is not compiled yet — recording only built its spec — is
+  // served on the host by the ATen CPU kernel where it qualifies, its
+  // compile queued on the background thread at its
+  // HostFirstCompileAfter()-th call; else compiled and waited for); each
+  // new output's buffer goes to the pending storage handed out (a bucket
+  // program's output buffer may hold more elements than the recording
+  // assumed: later calls are keyed on the buffers they find, as in strict
+  // mode).
   void RunOneByOne(const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& alive) {
+    Runtime::Get().metrics().fused_regions_op_by_op++;
     size_t next_created = 0;
+    // Each call runs under the default dtype it was recorded (and keyed)
+    // with (CPU's kernel of a host-served call reads it).
+    struct RestoreDefault {
+      caffe2::TypeMeta dtype;
+      ~RestoreDefault() { c10::set_default_dtype(dtype); }
+    } restore{c10::get_default_dtype()};
     for (auto& rc : calls_) {
       if (rc.graph) {
         RunGraphAlone(rc, next_created);
         continue;
       }
+      c10::set_default_dtype(rc.default_dtype);
       torch::jit::Stack stack(rc.args.begin(), rc.args.end());
-      std::vector<at::Tensor> outputs = Launch(*rc.eager, stack, rc.args.size());
-      size_t k = 0;
+      RunStrict(*rc.op, &stack, *rc.eager->entry);
+      // The stack holds the op's returns: new tensors where the spec says so.
       for (size_t r = 0; r < rc.eager->spec.outputs.size(); ++r) {
         if (!rc.eager->spec.defined[r] || rc.eager->spec.return_alias[r] >= 0) continue;
         const CreatedStorage& cs = created_[next_created++];
-        cs.device_storage->Set(StorageOf(outputs[k++]).current());
+        cs.device_storage->Set(StorageOf(stack[r].toTensor()).current());
       }
     }
     (void)alive;

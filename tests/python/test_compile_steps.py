@@ -519,7 +519,12 @@ def test_compiled_inference_in_fused_regions_with_mutation_views_and_op_by_op_fa
             regions.append(m1["fused_regions"] - m0["fused_regions"])
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"call {call}: {m}")
             torch.testing.assert_close(tpu_model.count.cpu(), cpu_model.count, rtol=0, atol=0)
+    # A new key's first sight runs op by op while its region compiles in
+    # the background (metrics() waits for it): call 1 runs key 0's program.
     # Calls 2 and 3 keep other outputs than the first two: the structure's
-    # second key compiles, its third (call 3) runs op by op.
-    assert regions[1] == 1 and regions[2] == 1, regions
-    assert regions[3] == 0, f"fused regions per call: {regions}"
+    # second key compiles (call 5 runs it), its third (calls 3 and 6) runs
+    # op by op (churn).
+    # (First sights, calls 0 and 2, run as programs where the disk cache
+    # holds the region: it loads at once.)
+    assert regions[0] in (0, 1) and regions[2] in (0, 1), f"fused regions per call: {regions}"
+    assert regions[1:2] + regions[3:] == [1, 0, 1, 1, 0], f"fused regions per call: {regions}"

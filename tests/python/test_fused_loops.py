@@ -98,15 +98,20 @@ print(snap[10] - snap[4])
 
 def test_short_loop_regions_hold_several_iterations():
     """A loop of one call (x = x * c) is cut into regions of 64 calls, not 1
-    (without loop detection: one region of 100 calls)."""
+    (without loop detection: one region of 100 calls). Regions counted
+    whether they ran as one program or op by op (a new key's first sight)."""
     x_cpu = torch.linspace(-1, 1, 10)
+
+    def flushed():
+        return _metric("fused_regions") + _metric("fused_regions_op_by_op")
+
     with no_cpu_fallback(), torch_tpu.eager_mode("fused"):
         x = x_cpu.to("tpu")
-        regions = _metric("fused_regions")
+        regions = flushed()
         for _ in range(100):
             x = x * 1.01
         got = x.cpu()
-        regions = _metric("fused_regions") - regions
+        regions = flushed() - regions
     ref = x_cpu
     for _ in range(100):
         ref = ref * 1.01
@@ -120,42 +125,113 @@ def _block(x):
 
 
 def test_churning_structure_runs_op_by_op():
-    """One region structure with 8 sizes: compiled for the first 2 sizes only,
-    the other 6 run through the single-op executables; values equal CPU at
-    every size. A size that recurs is compiled after all. (Size 1 is checked
-    for values only: a matmul over one row may lower to other ops, another
-    structure.)"""
-    sizes = [3, 8, 7, 4, 9, 2, 6, 5]
-    inputs = [torch.randn(4, n, 8) for n in sizes]
-    with no_cpu_fallback(), torch_tpu.eager_mode("fused"):
-        regions = _metric("fused_regions")
-        got = [_block(x.to("tpu")).cpu() for x in inputs]
-        churn_regions = _metric("fused_regions") - regions
-        # The last size (run op by op once above) four more times: op by op
-        # once more, compiled at its third occurrence, then region hits.
-        regions = _metric("fused_regions")
-        again = [_block(inputs[-1].to("tpu")).cpu() for _ in range(4)]
-        recur_regions = _metric("fused_regions") - regions
-        one = _block(inputs[0][:, :1].to("tpu")).cpu()
-    for g, x in zip(got, inputs):
-        torch.testing.assert_close(g, _block(x), rtol=1e-5, atol=1e-5)
-    for g in again:
-        torch.testing.assert_close(g, _block(inputs[-1]), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(one, _block(inputs[0][:, :1]), rtol=1e-5, atol=1e-5)
-    assert churn_regions == 2
-    assert recur_regions == 3
+    """One region structure with 8 sizes. A new region key runs op by op
+    (strict mode's calls, host-served until their programs exist) while its
+    program compiles in the background; the structure is compiled for its
+    first 2 sizes only (those then run as one program), the other 6 run op
+    by op without any region compile; values equal CPU at every size. A
+    size that keeps recurring is compiled at its 4th op-by-op run. (Size 1
+    is checked for values only: a matmul over one row may lower to other
+    ops, another structure.) torch_tpu.metrics() waits for background
+    compiles, so the counts do not depend on when they end. In a fresh
+    process with the disk cache off (a region on disk loads at once and
+    runs as a program at its first sight)."""
+    code = """
+import sys, torch, torch_tpu
+sys.path.insert(0, %r)
+from test_fused_loops import _block
+torch.manual_seed(0)
+sizes = [3, 8, 7, 4, 9, 2, 6, 5]
+inputs = [torch.randn(4, n, 8) for n in sizes]
+
+def counts():
+    m = torch_tpu.metrics()
+    return m["fused_regions"], m["fused_regions_op_by_op"], m["compiles"]
+
+with torch_tpu.eager_mode("fused"):
+    c0 = counts()
+    got = [_block(x.to("tpu")).cpu() for x in inputs]
+    c1 = counts()
+    # The first two sizes compiled (in the background): one program now.
+    first_again = [_block(x.to("tpu")).cpu() for x in inputs[:2]]
+    c2 = counts()
+    # The last size 5 more times: op by op twice more, compiled at its
+    # 4th op-by-op run, then one program.
+    again = []
+    for _ in range(5):
+        again.append(_block(inputs[-1].to("tpu")).cpu())
+        torch_tpu.metrics()  # waits for the compile queued
+    c3 = counts()
+    one = _block(inputs[0][:, :1].to("tpu")).cpu()
+for g, x in zip(got + first_again, inputs + inputs[:2]):
+    torch.testing.assert_close(g, _block(x), rtol=1e-5, atol=1e-5)
+for g in again:
+    torch.testing.assert_close(g, _block(inputs[-1]), rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(one, _block(inputs[0][:, :1]), rtol=1e-5, atol=1e-5)
+print(*[b - a for a, b in zip(c0, c1)], *[b - a for a, b in zip(c1, c2)], *[b - a for a, b in zip(c2, c3)])
+""" % str(__import__("pathlib").Path(__file__).parent)
+    r = run_python(code, env={"TORCH_TPU_CACHE_DIR": ""}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = list(map(int, r.stdout.strip().splitlines()[-1].split()))
+    assert d[:2] == [0, 8], d  # every size new: op by op
+    assert d[3:6] == [2, 0, 0], d  # the first two sizes' programs, no compile
+    assert d[6:8] == [2, 3], d
+    # Region compiles: 2 in the first pass (single-op compiles too: keys
+    # called twice), 1 for the recurring size (its single-op keys were
+    # compiled at their 2nd call, in the first of the 5 runs).
+    assert d[8] >= 1, d
+
+
+def test_fused_never_compiles_more_than_strict_over_20_lengths():
+    """Issue 12 (c): 20 sequence lengths (1..65) of a transformer block
+    forward, each in a fresh process with an empty cache, strict and fused.
+    Fused mode compiles what strict mode compiles (its regions run op by op
+    as strict calls while the structure churns) plus at most 2 region
+    programs per region structure; outputs equal CPU at every length."""
+    code = r"""
+import json, math, sys, torch, torch_tpu
+torch.manual_seed(0)
+block = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True, norm_first=True).eval()
+lengths = [5, 1, 2, 3, 7, 8, 9, 12, 15, 16, 17, 24, 31, 32, 33, 40, 48, 63, 64, 65]
+xs = [torch.randn(2, n, 64) for n in lengths]
+with torch.no_grad():
+    ref = [block(x) for x in xs]
+torch_tpu.set_eager_mode(sys.argv[1])
+tb = block.to("tpu")
+torch.tpu.synchronize()
+c0 = torch_tpu.metrics()
+err = 0.0
+with torch.no_grad():
+    for x, r in zip(xs, ref):
+        err = max(err, (tb(x.to("tpu")).cpu() - r).abs().max().item())
+m = torch_tpu.metrics()
+print(json.dumps({"compiles": m["compiles"] - c0["compiles"], "regions": m["fused_regions"] - c0["fused_regions"],
+                  "op_by_op": m["fused_regions_op_by_op"] - c0["fused_regions_op_by_op"], "err": err}))
+"""
+    out = {}
+    for mode in ("strict", "fused"):
+        r = run_python(code.replace("sys.argv[1]", repr(mode)), env={"TORCH_TPU_CACHE_DIR": ""}, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[mode] = __import__("json").loads(r.stdout.strip().splitlines()[-1])
+    assert out["strict"]["err"] <= 1e-4 and out["fused"]["err"] <= 1e-4, out
+    assert out["fused"]["regions"] == 0, out  # each length once: none runs as a program
+    assert out["fused"]["op_by_op"] >= 20, out
+    assert out["fused"]["compiles"] <= out["strict"]["compiles"] + 2 * 2, out
 
 
 def test_static_structure_stays_fused():
+    """A static structure runs as one program per occurrence once its
+    compile (queued at its first sight, which runs op by op) is done."""
     x_cpu = torch.randn(4, 6, 8)
     with no_cpu_fallback(), torch_tpu.eager_mode("fused"):
-        regions = _metric("fused_regions")
         x = x_cpu.to("tpu")
-        got = [_block(x).exp().cpu() for _ in range(5)]  # a structure of its own
+        got = [_block(x).exp().cpu()]  # a structure of its own
+        regions = _metric("fused_regions")  # waits for the region's compile
+        got += [_block(x).exp().cpu() for _ in range(4)]
         regions = _metric("fused_regions") - regions
     for g in got:
         torch.testing.assert_close(g, _block(x_cpu).exp(), rtol=1e-5, atol=1e-5)
-    assert regions == 5
+    assert regions == 4
 
 
 def test_foreach_optimizer_over_identical_layers_stays_one_region_per_step():

@@ -11,7 +11,7 @@ The compile counts are bounded from above by what the shape-polymorphic
 programs give today (a regression bound: the attention bmm, `mul.Scalar` on
 k^T, `where.self_out` and the views of the growing input_ids still compile
 per decoding step; see BENCHMARKS.md "New shapes").
-The warm call compiles nothing.
+The third call of the same prompt compiles (almost) nothing: see BOUNDS.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ with torch.no_grad():
     cpu = [model.generate(input_ids=p, attention_mask=torch.ones_like(p), **kw)[0].tolist() for p in prompts]
 model = model.to("tpu")
 out = {"cpu": cpu, "tpu": [], "compiles": []}
-for p in [prompts[0], prompts[0], prompts[1]]:
+for p in [prompts[0], prompts[0], prompts[0], prompts[1]]:
     c0 = torch_tpu.metrics()["compiles"]
     with torch.no_grad():
         t = model.generate(input_ids=p.to("tpu"), attention_mask=torch.ones_like(p).to("tpu"), **kw)
@@ -46,24 +46,28 @@ for p in [prompts[0], prompts[0], prompts[1]]:
 print(json.dumps(out))
 """
 
-# Upper bounds (first call, warm call, prompt +4) per mode: today's counts (strict 366, 0, 88
-# with out=/in-place writes and permuted outputs polymorphic; before it 379, 0, 91
-# with the buffer size out of the polymorphic keys, of which 27 and 5 buffer resizes; before it
-# 389, 0, 105 with the cat family; before that 402, 0, 100; before the polymorphic dims other
-# than 0: 435, 0, 108) with a small margin.
-BOUNDS = {"strict": (372, 0, 92)}
+# Calls: the prompt, the same prompt twice more, then a prompt 4 tokens longer. With
+# TORCH_TPU_HOST_FIRST_COMPILE_AFTER=2 (the default) a key seen once in the first call compiles at
+# its second sight, in the second call (in the background: the call is host-served meanwhile), so
+# the second call's count is not 0; the third call compiles nothing. Upper bounds (first, second,
+# third, prompt +4) from counts measured in session 11 with a small margin (BENCHMARKS.md "New
+# shapes"): strict with the re-landed canonical bucket buffers (h-polybuf); fused: a new region
+# key runs its calls as strict calls while the region compiles in the background and a churning
+# structure (a new KV length each decoding step) runs op by op (before session 11: 443 / 0 / 129,
+# every recorded key compiled at recording).
+# Measured (empty cache, load ~10): strict 275 / 99 / 1 / 64 and 276 / 98 / 1 / 63 (the third
+# call's one is a tpu::resize_buffer: which buffer sizes a call receives depends on whether the
+# calls before it were host-served or ran programs); fused 279 / 84 / 0 / 84.
+BOUNDS = {"strict": (290, 110, 2, 72), "fused": (295, 95, 2, 95)}
 
 
 @pytest.mark.full_tier
-@pytest.mark.parametrize("mode", ["strict"])
+@pytest.mark.parametrize("mode", ["strict", "fused"])
 def test_generate_compiles_bounded_tokens_equal_cpu(mode, tmp_path):
     r = run_python(CODE.replace("sys.argv[1]", repr(mode)), env={"TORCH_TPU_CACHE_DIR": str(tmp_path),
                                                                  "HF_HUB_OFFLINE": "1"}, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["tpu"] == [out["cpu"][0], out["cpu"][0], out["cpu"][1]]
-    first, warm, longer = out["compiles"]
-    bound_first, bound_warm, bound_longer = BOUNDS[mode]
-    assert warm <= bound_warm, out["compiles"]
-    assert first <= bound_first, out["compiles"]
-    assert longer <= bound_longer, out["compiles"]
+    assert out["tpu"] == [out["cpu"][0], out["cpu"][0], out["cpu"][0], out["cpu"][1]]
+    bounds = BOUNDS[mode]
+    assert all(c <= b for c, b in zip(out["compiles"], bounds)), (out["compiles"], bounds)

@@ -48,6 +48,11 @@ def test_profile_records_compile_and_execute_events():
 def test_profile_of_a_fused_region():
     a = torch.randn(3, 11)
     ta = a.to("tpu")
+    with torch_tpu.eager_mode("fused"):
+        # A new region key runs op by op while it compiles in the
+        # background; metrics() waits, so the profiled one is the program.
+        (ta * 2 - 1).exp().cpu()
+        torch_tpu.metrics()
     with torch_tpu.eager_mode("fused"), profile(activities=[ProfilerActivity.CPU]) as prof:
         out = (ta * 2 - 1).exp()
         got = out.cpu()
