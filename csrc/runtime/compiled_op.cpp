@@ -2043,8 +2043,6 @@ const at::Tensor& TensorOf(const ArgResolver& arg_of, int32_t call, int16_t arg,
   return v.toListRef()[static_cast<size_t>(item)].toTensor();
 }
 
-namespace {
-
 // `sb`'s contents in a buffer of `numel` elements (the prefix copied, the
 // rest zeros; a shorter buffer keeps the first `numel`): a device program
 // per (element type, sizes), compiled once and counted in
@@ -2091,8 +2089,6 @@ StorageBuffer ResizeStorageBuffer(const StorageBuffer& sb, int64_t numel, int de
   if (done) rt.Track(std::move(done), "tpu::resize_buffer");
   return StorageBuffer{std::shared_ptr<pjrt::Buffer>(std::move(outs[0])), sb.element, numel, sb.producer, sb.checks};
 }
-
-}  // namespace
 
 LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolver& arg_of, int default_device,
                           const std::vector<int64_t>& donors, bool poisoned_ok) {

@@ -340,6 +340,12 @@ bool InDiskCache(const std::string& module_text, bool single_op = false);
 bool ServeOnHost(const CompiledOp& compiled, const c10::OperatorHandle& op, torch::jit::Stack& stack,
                  size_t num_args);
 
+// `sb`'s contents in a new buffer of `numel` elements (the prefix copied, the
+// rest zeros): one program per (element type, sizes), compiled once (counted
+// in metrics()["compiles"] as "tpu::resize_buffer"), launched asynchronously;
+// the new buffer keeps `sb`'s checks and producer (compiled_op.cpp).
+StorageBuffer ResizeStorageBuffer(const StorageBuffer& sb, int64_t numel, int device_index);
+
 // Input buffers of a launch. `arg_of(call, arg)` returns the IValue of an
 // argument of a call.
 struct LaunchInputs {

@@ -10,10 +10,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
-#include <map>
-#include <mutex>
-#include <span>
-#include <tuple>
 
 #include "lowering/helpers.h"
 #include "runtime/compiled_op.h"
@@ -71,40 +67,6 @@ hlo::Value ScalarConstant(hlo::Builder& b, const c10::Scalar& s, bool has_f64, h
     return b.Constant({*element, {}}, s.toDouble());
   }
   throw GraphUnsupported("complex scalars are not supported on tpu");
-}
-
-// `sb`'s first min(sb.numel, numel) elements in a new buffer of `numel`
-// elements (zeros beyond), for a graph parameter of that size: one tiny
-// program per (element type, from, to), compiled once per process (and
-// through the disk cache), counted as a compile and an execution.
-std::shared_ptr<pjrt::Buffer> RebufferFlat(const StorageBuffer& sb, int64_t numel, int device_index) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, int64_t, int64_t>, std::shared_ptr<pjrt::Executable>> programs;
-  std::shared_ptr<pjrt::Executable> exe;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto& slot = programs[{static_cast<int>(sb.element), sb.numel, numel}];
-    if (!slot) {
-      hlo::Builder b;
-      hlo::Value flat = b.Parameter(hlo::TensorType{sb.element, {sb.numel}});
-      hlo::Value resized = lowering::ResizeFlat(b, flat, numel);
-      b.Return(std::span<const hlo::Value>(&resized, 1));
-      slot = CompileModule("tpu::rebuffer", b.Module(), /*single_op=*/true);
-    }
-    exe = slot;
-  }
-  auto& rt = Runtime::Get();
-  pjrt::Buffer* args[] = {sb.buffer.get()};
-  std::unique_ptr<pjrt::Event> done;
-  std::vector<std::unique_ptr<pjrt::Buffer>> outs;
-  try {
-    outs = exe->Execute(args, rt.device(device_index), {}, &done);
-  } catch (const pjrt::Error& e) {
-    RethrowDeviceError(e, "tpu::rebuffer", device_index);
-  }
-  rt.metrics().executions++;
-  if (done) rt.Track(std::move(done), "tpu::rebuffer");
-  return std::shared_ptr<pjrt::Buffer>(std::move(outs.at(0)));
 }
 
 }  // namespace
@@ -656,7 +618,7 @@ std::vector<at::Tensor> GraphProgram::Launch(const std::vector<at::Tensor>& inpu
         // rows as its buffer (a [5, 5] clone in a buffer of 16 x 5), which
         // PJRT rejects for this parameter ("expected parameter 7 of size
         // 104 but got buffer with incompatible size 320").
-        temps.push_back(RebufferFlat(sb, Capacity(info.numel), device_index));
+        temps.push_back(ResizeStorageBuffer(sb, Capacity(info.numel), device_index).buffer);
         args[p] = temps.back().get();
       }
       continue;
