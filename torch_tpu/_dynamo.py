@@ -529,7 +529,9 @@ class _DirectBackend:
             self.get_compiler_config = backend.get_compiler_config
 
     def __call__(self, gm, example_inputs, **kwargs):
-        if torch._dynamo.config.repro_after is not None:
+        # getattr: a config deleted by a test's monkeypatch undo reads as
+        # "does not exist" (ConfigModule.__delattr__ hides the entry)
+        if getattr(torch._dynamo.config, "repro_after", None) is not None:
             from torch._dynamo.repro.after_dynamo import WrapBackendDebug
 
             return WrapBackendDebug(self._torchdynamo_orig_backend, self._compiler_name)(

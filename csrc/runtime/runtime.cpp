@@ -411,17 +411,19 @@ bool Resolve(CheckState& check) {
   return failed;
 }
 
-[[noreturn]] void Raise(const CheckState& check) {
+[[noreturn]] void Raise(CheckState& check) {
+  check.raised.store(true, std::memory_order_release);
   const std::string& message = check.message;
   if (!message.empty() && message[0] == kValueCheckMark) TORCH_CHECK(false, message.substr(1));
   TORCH_CHECK_INDEX(false, message);
 }
 
-// Resolves every check of `checks`, then raises the first failed one.
+// Resolves every check of `checks`, then raises the first failed one not
+// raised before (a poisoned read may have reported it already).
 void ResolveAll(const CheckList& checks) {
-  const CheckState* first_failed = nullptr;
+  CheckState* first_failed = nullptr;
   for (const auto& c : checks)
-    if (Resolve(*c) && !first_failed) first_failed = c.get();
+    if (Resolve(*c) && !first_failed && !c->raised.load(std::memory_order_acquire)) first_failed = c.get();
   if (first_failed) Raise(*first_failed);
 }
 }  // namespace

@@ -56,10 +56,14 @@ int64_t Capacity(int64_t numel);
 // once at the next sync point) and by every storage buffer the program
 // wrote or that was computed from one (StorageBuffer::checks), which
 // raises it again on every read until it is overwritten: a failed check
-// poisons what it guards, so no garbage value escapes.
+// poisons what it guards, so no garbage value escapes. Once raised (by
+// either path) the pending list's sync point does not raise it again: a
+// poisoned read that reported it leaves no stale error for a later, unrelated
+// sync (the poisoned storages still raise on every read).
 struct CheckState {
   enum State : uint8_t { kPending, kOk, kFailed };
   std::atomic<uint8_t> state{kPending};
+  std::atomic<bool> raised{false};     // reported to the caller at least once
   std::mutex mutex;                    // guards flag while resolving
   std::shared_ptr<pjrt::Buffer> flag;  // until resolved
   std::string message;                 // Runtime::ValueCheckMessage-marked: RuntimeError, else IndexError

@@ -140,10 +140,14 @@ def test_direct_backend_only_for_tpu_and_minifier_still_wraps(monkeypatch):
         return original_call(self, *args, **kwargs)
 
     monkeypatch.setattr(after_dynamo.WrapBackendDebug, "__call__", counting)
-    monkeypatch.setattr(torch._dynamo.config, "repro_after", "aot")
+    # config.patch, not monkeypatch.setattr: pytest >= 9.2 restores a module
+    # attribute missing from its __dict__ by deleting it, and ConfigModule's
+    # __delattr__ then hides repro_after from every later test.
     torch._dynamo.reset()
     x = torch.randn(4, 5)
-    got = torch.compile(lambda t: (t * 3).cos(), backend="tpu")(x.to("tpu")).cpu()
+    with torch._dynamo.config.patch(repro_after="aot"):
+        got = torch.compile(lambda t: (t * 3).cos(), backend="tpu")(x.to("tpu")).cpu()
     assert calls == ["tpu"], calls
     assert (got - (x * 3).cos()).abs().max().item() <= 1e-6
+    assert torch._dynamo.config.repro_after is None
     torch._dynamo.reset()
