@@ -7,8 +7,9 @@ killed on exit and on failure), a real HTTP client (httpx):
   ``max_tokens`` give Hugging Face ``generate()``'s greedy tokens on CPU,
   token for token, sent from 16 threads and again from one asyncio loop
   (serve_vllm.complete_many);
-- a prompt longer than max_model_len gets vLLM's 400 error and the server
-  keeps serving;
+- a prompt longer than max_model_len and a bad sampling parameter
+  (``top_p`` 2.0) get vLLM's 400 errors and the server keeps serving (the
+  same greedy tokens after them);
 - the plugin does not activate unless chosen (plain vLLM keeps its CPU platform).
 """
 from __future__ import annotations
@@ -47,6 +48,7 @@ def test_openai_server_concurrent_greedy_matches_hf(tmp_path):
         # the same 16 from one asyncio loop (bench_vllm's client), all sent at once
         (again, _), = serve_vllm.complete_many(url, model_dir, prompts, max_tokens)
         bad = serve_vllm.complete(url, model_dir, [1000] * 300, 4)
+        bad_param = serve_vllm.complete(url, model_dir, prompts[0], 4, top_p=2.0)
         after = serve_vllm.complete(url, model_dir, prompts[0], max_tokens[0])
     for p, n, r in zip(prompts, max_tokens, results):
         assert r["status"] == 200, r
@@ -54,6 +56,7 @@ def test_openai_server_concurrent_greedy_matches_hf(tmp_path):
     assert [r["json"]["choices"][0]["token_ids"] for r in again] == \
         [r["json"]["choices"][0]["token_ids"] for r in results]
     assert bad["status"] == 400 and "maximum context length" in str(bad["json"]), bad
+    assert bad_param["status"] == 400 and "top_p" in str(bad_param["json"]), bad_param
     assert after["status"] == 200
     assert after["json"]["choices"][0]["token_ids"] == results[0]["json"]["choices"][0]["token_ids"]
 

@@ -17,7 +17,10 @@ torch_tpu/_precompile.py). Checks:
 - both give the same greedy tokens, equal to Hugging Face ``generate()`` on
   CPU on the same model directory, and no op falls back to the CPU;
 - after the warm start, more requests of other lengths still trace and
-  compile nothing.
+  compile nothing;
+- the warm start's warm-up runs the block zeroing once (every per-op
+  key's executable loads at its first call, nothing is host-served, so the
+  second pass is skipped), as its log line says.
 
 Slow (two vLLM starts, about 1-2 minutes each on a loaded 2-core machine):
 full tier (make test-full, TORCH_TPU_TEST_FULL=1).
@@ -96,7 +99,9 @@ def _start(model_dir: str, cache_dir: str, out) -> dict:
                         str(out)], capture_output=True, text=True, env=env,
                        timeout=CHILD_TIMEOUT_S)
     assert p.returncode == 0, f"vLLM child failed (rc {p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}"
-    return json.loads(out.read_text())
+    res = json.loads(out.read_text())
+    res["log"] = p.stdout + p.stderr
+    return res
 
 
 def _hf_greedy(model_dir: str, prompt: list[int], n: int) -> list[int]:
@@ -133,6 +138,9 @@ def test_second_start_traces_and_compiles_nothing(tmp_path):
     # and nothing later either (more requests of other lengths)
     assert warm["end"]["unique_graphs"] == 0 and warm["end"]["disk_cache_misses"] == 0, warm["end"]
     assert cold["end"]["unique_graphs"] == cold["start"]["unique_graphs"], cold["end"]
+
+    # the warm-up's block zeroing: no second pass where nothing was host-served
+    assert "passes: steps 1, zeroing 1)" in warm["log"], warm["log"][-3000:]
 
     assert warm["greedy"] == cold["greedy"]
     for prompt, got in zip(warm["prompts"], warm["greedy"]):

@@ -311,6 +311,26 @@ def _transpose_gemm_weights(model: torch.nn.Module) -> list[str]:
     return changed
 
 
+def _again_if_host_served(run) -> int:
+    """Call ``run()``, and a second time only if that first call served any
+    op on the host (``torch_tpu.metrics()["host_served"]`` moved): torch_tpu's
+    strict executor serves a per-op key's first call on the host and
+    compiles it at its second (``TORCH_TPU_HOST_FIRST_COMPILE_AFTER``,
+    default 2; docs/design.md "Host-first calls"), so a shape met once at
+    warm-up would compile while serving. With a warm disk cache
+    (TORCH_TPU_CACHE_DIR) a key's first call loads its executable and runs
+    it, nothing is host-served, and the second pass is skipped. Returns the
+    number of passes."""
+    import torch_tpu
+
+    before = torch_tpu.metrics()["host_served"]
+    run()
+    if torch_tpu.metrics()["host_served"] == before:
+        return 1
+    run()
+    return 2
+
+
 class _CompileOnFirstCall:
     """``torch.compile(fn, backend, fullgraph=True, dynamic=False)``, called
     at the first call rather than at model load. With torch_tpu's compile
@@ -544,15 +564,14 @@ class TPUModelRunner(CPUModelRunner):
         attention metadata, so the paged attention is in the program; the
         block-table width forced through
         ``TPUPagedAttentionMetadataBuilder.warm_up_blocks``) and the logits
-        program per (token bucket T, batch bucket B <= T) pair; returns
-        {"token_buckets", "block_buckets", "batch_buckets", "seconds"}.
+        program per (token bucket T, batch bucket B <= T) pair, and zero the
+        null block once per batch bucket; returns {"token_buckets",
+        "block_buckets", "batch_buckets", "seconds", "passes"}.
 
-        Eager (``enforce_eager``), all of it twice, and the block zeroing
-        twice in both modes: torch_tpu's strict executor serves a per-op
-        key's first call on the host and compiles at its second
-        (``TORCH_TPU_HOST_FIRST_COMPILE_AFTER``, default 2; docs/design.md
-        "Host-first calls"), so a shape met once here would compile while
-        serving. A compiled graph compiles at its first call."""
+        A compiled graph compiles (or loads) at its first call: one pass.
+        Eager (``enforce_eager``) steps and the block zeroing (eager in both
+        modes) run again only when their first pass served a call on the
+        host (:func:`_again_if_host_served`)."""
         import time
 
         from vllm.config import CUDAGraphMode
@@ -564,9 +583,9 @@ class TPUModelRunner(CPUModelRunner):
         block_buckets = sorted({nb for groups in self.attn_groups for g in groups
                                 for b in g.metadata_builders if isinstance(b, Builder)
                                 for nb in b.block_buckets}) or [None]
-        passes = 1 if self.tpu_compiled else 2
-        try:
-            for _ in range(passes):
+
+        def forward_pass():
+            try:
                 for n in self.token_buckets:
                     if n > self.scheduler_config.max_num_batched_tokens:
                         n = self.scheduler_config.max_num_batched_tokens  # the same bucket
@@ -575,10 +594,11 @@ class TPUModelRunner(CPUModelRunner):
                         self._dummy_run(n, cudagraph_runtime_mode=CUDAGraphMode.NONE,
                                         force_attention=True, allow_microbatching=False,
                                         skip_eplb=True)
-        finally:
-            Builder.warm_up_blocks = None
-        with torch.inference_mode():  # as execute_model: Dynamo guards on grad mode
-            for _ in range(passes):
+            finally:
+                Builder.warm_up_blocks = None
+
+        def logits_pass():
+            with torch.inference_mode():  # as execute_model: Dynamo guards on grad mode
                 for t in self.token_buckets:  # the logits program: every (T, B <= T) pair
                     h = torch.zeros(t, hidden, dtype=self.model_config.dtype, device=TPU)
                     for b in self.batch_buckets:
@@ -586,14 +606,31 @@ class TPUModelRunner(CPUModelRunner):
                             ids = self._logits_program(h, torch.zeros(b, dtype=torch.int64,
                                                                       device=TPU))[1]
                     ids.cpu()
-            for _ in range(2):
+
+        def zero_pass():
+            with torch.inference_mode():
                 for b in self.batch_buckets:
                     self._zero_block_ids([0] * b)  # the null block: nothing real is zeroed
-        seconds = time.perf_counter() - t0
+
+        if self.tpu_compiled:
+            forward_pass()
+            t_fwd = time.perf_counter()
+            logits_pass()
+            t_logits, step_passes = time.perf_counter(), 1
+        else:
+            step_passes = _again_if_host_served(lambda: (forward_pass(), logits_pass()))
+            t_fwd = t_logits = time.perf_counter()
+        zero_passes = _again_if_host_served(zero_pass)
+        t1 = time.perf_counter()
+        seconds = t1 - t0
         logger.info("torch_tpu: warmed up token buckets %s, block buckets %s and batch buckets "
-                    "%s in %.1f s", self.token_buckets, block_buckets, self.batch_buckets, seconds)
+                    "%s in %.1f s (forward %.1f s, logits %.1f s, block zeroing %.1f s; "
+                    "passes: steps %d, zeroing %d)", self.token_buckets, block_buckets,
+                    self.batch_buckets, seconds, t_fwd - t0, t_logits - t_fwd, t1 - t_logits,
+                    step_passes, zero_passes)
         return {"token_buckets": list(self.token_buckets), "block_buckets": block_buckets,
-                "batch_buckets": list(self.batch_buckets), "seconds": seconds}
+                "batch_buckets": list(self.batch_buckets), "seconds": seconds,
+                "passes": {"steps": step_passes, "zeroing": zero_passes}}
 
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
                                     kv_cache_allocation_context=None):
