@@ -246,7 +246,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> UniqueConsecutive(const at::Tenso
 bool Equal(const at::Tensor& self, const at::Tensor& other) {
   TORCH_CHECK(self.device() == other.device(), "Cannot compare two tensors on different devices. Got: ",
               self.device(), " and ", other.device());
-  if (IsComplex32(self) || IsComplex32(other)) return at::equal(OnCpu(self), OnCpu(other));
+  if (IsComplex32(self) || IsComplex32(other)) {
+    const at::Tensor a = OnCpu(self);  // equal(x, x) is one tensor on CPU too (its is_same path)
+    return at::equal(a, self.is_same(other) ? a : OnCpu(other));
+  }
   if (self.sizes() != other.sizes()) return false;
   if (self.numel() == 0) return true;
   return at::eq(self, other).all().item<bool>();
