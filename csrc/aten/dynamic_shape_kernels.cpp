@@ -50,6 +50,17 @@
 namespace torch_tpu::aten {
 namespace {
 
+// complex32 (ComplexHalf) is stored as u32 bit patterns that no lowering
+// computes on: these kernels then run CPU's (its values, or its
+// NotImplementedError for unique, equal, take and put_) on host copies,
+// and move the results back.
+bool IsComplex32(const at::Tensor& t) { return t.defined() && t.scalar_type() == at::kComplexHalf; }
+at::Tensor OnCpu(const at::Tensor& t) { return t.defined() ? t.cpu() : t; }
+template <typename... T>
+std::tuple<T...> ToDevice(std::tuple<T...> r, const at::Tensor& like) {
+  return std::apply([&](auto&... t) { return std::tuple<T...>{t.to(like.device())...}; }, r);
+}
+
 at::Tensor EmptyLong(const at::Tensor& like, at::IntArrayRef sizes) {
   return at::empty(sizes, like.options().dtype(at::kLong));
 }
@@ -78,6 +89,7 @@ at::Tensor RunLengths(const at::Tensor& starts, int64_t n) {
 // --- nonzero / masked_select ------------------------------------------------
 
 at::Tensor Nonzero(const at::Tensor& self) {
+  if (IsComplex32(self)) return at::nonzero(OnCpu(self)).to(self.device());
   if (self.numel() == 0) return EmptyLong(self, {0, self.dim()});
   const int64_t n = ReadCount(at::count_nonzero(self));
   return at::nonzero_static(self, n, -1);
@@ -91,6 +103,7 @@ at::Tensor& NonzeroOut(const at::Tensor& self, at::Tensor& out) {
 }
 
 at::Tensor MaskedSelect(const at::Tensor& self, const at::Tensor& mask) {
+  if (IsComplex32(self)) return at::masked_select(OnCpu(self), OnCpu(mask)).to(self.device());
   TORCH_CHECK(mask.scalar_type() == at::kBool, "masked_select: expected BoolTensor for mask");
   auto [s, m] = at::expand_outplace(self, mask);
   if (s->numel() == 0) return at::empty({0}, self.options());
@@ -136,10 +149,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> UniqueFlat(const at::Tensor& self
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> Unique2(const at::Tensor& self, bool /*sorted*/,
                                                        bool return_inverse, bool return_counts) {
+  if (IsComplex32(self)) return ToDevice(at::_unique2(OnCpu(self), true, return_inverse, return_counts), self);
   return UniqueFlat(self, return_inverse, return_counts);
 }
 
 std::tuple<at::Tensor, at::Tensor> Unique(const at::Tensor& self, bool /*sorted*/, bool return_inverse) {
+  if (IsComplex32(self)) return ToDevice(at::_unique(OnCpu(self), true, return_inverse), self);
   auto [v, i, c] = UniqueFlat(self, return_inverse, false);
   return {v, i};
 }
@@ -169,7 +184,8 @@ at::Tensor DenseRankColumns(const at::Tensor& x) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> UniqueDim(const at::Tensor& self, int64_t dim, bool /*sorted*/,
-                                                         bool /*return_inverse*/, bool /*return_counts*/) {
+                                                         bool return_inverse, bool return_counts) {
+  if (IsComplex32(self)) return ToDevice(at::unique_dim(OnCpu(self), dim, true, return_inverse, return_counts), self);
   dim = at::maybe_wrap_dim(dim, self.dim());
   if (auto early = UniqueDimEmpty(self, dim)) return *early;
   const int64_t n = self.size(dim);
@@ -194,8 +210,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> UniqueDim(const at::Tensor& self,
 // --- unique_consecutive ------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> UniqueDimConsecutive(const at::Tensor& self, int64_t dim,
-                                                                    bool /*return_inverse*/,
-                                                                    bool /*return_counts*/) {
+                                                                    bool return_inverse,
+                                                                    bool return_counts) {
+  if (IsComplex32(self))
+    return ToDevice(at::unique_dim_consecutive(OnCpu(self), dim, return_inverse, return_counts), self);
   dim = at::maybe_wrap_dim(dim, self.dim());
   if (auto early = UniqueDimEmpty(self, dim)) return *early;
   const int64_t n = self.size(dim);
@@ -208,6 +226,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> UniqueDimConsecutive(const at::Te
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> UniqueConsecutive(const at::Tensor& self, bool return_inverse,
                                                                  bool return_counts, std::optional<int64_t> dim) {
+  if (IsComplex32(self))
+    return ToDevice(at::unique_consecutive(OnCpu(self), return_inverse, return_counts, dim), self);
   if (dim && self.dim() > 0) return UniqueDimConsecutive(self, *dim, return_inverse, return_counts);
   const int64_t n = self.numel();
   at::Tensor inverse = return_inverse ? EmptyLong(self, self.sizes()) : EmptyLong(self, {0});
@@ -226,6 +246,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> UniqueConsecutive(const at::Tenso
 bool Equal(const at::Tensor& self, const at::Tensor& other) {
   TORCH_CHECK(self.device() == other.device(), "Cannot compare two tensors on different devices. Got: ",
               self.device(), " and ", other.device());
+  if (IsComplex32(self) || IsComplex32(other)) {
+    const at::Tensor a = OnCpu(self);  // equal(x, x) is one tensor on CPU too (its is_same path)
+    return at::equal(a, self.is_same(other) ? a : OnCpu(other));
+  }
   if (self.sizes() != other.sizes()) return false;
   if (self.numel() == 0) return true;
   return at::eq(self, other).all().item<bool>();
@@ -234,6 +258,7 @@ bool Equal(const at::Tensor& self, const at::Tensor& other) {
 // --- take / put_ -------------------------------------------------------------
 
 at::Tensor Take(const at::Tensor& self, const at::Tensor& index) {
+  if (IsComplex32(self)) return at::take(OnCpu(self), OnCpu(index)).to(self.device());
   TORCH_CHECK(index.scalar_type() == at::kLong, "take(): Expected a long tensor for index, but got ",
               index.scalar_type());
   TORCH_CHECK(self.numel() > 0 || index.numel() == 0, "take(): tried to take from an empty tensor");
@@ -258,6 +283,11 @@ at::Tensor& TakeOut(const at::Tensor& self, const at::Tensor& index, at::Tensor&
 }
 
 at::Tensor& Put(at::Tensor& self, const at::Tensor& index, const at::Tensor& source, bool accumulate) {
+  if (IsComplex32(self) || IsComplex32(source)) {
+    at::Tensor host = OnCpu(self);
+    host.put_(OnCpu(index), OnCpu(source), accumulate);
+    return self.copy_(host);
+  }
   TORCH_CHECK(index.scalar_type() == at::kLong, "put_(): Expected a long tensor for index, but got ",
               index.scalar_type());
   TORCH_CHECK(self.scalar_type() == source.scalar_type(),

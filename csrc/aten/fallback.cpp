@@ -1064,6 +1064,29 @@ void CheckIndexLikeCpu(IndexOp op, const at::Tensor& index) {
   }
 }
 
+// Whether a call must run on the CPU for holding a complex32 (ComplexHalf)
+// tensor: its tpu storage holds u32 bit patterns (lowering::ToElementType)
+// that no lowering computes on. Any complex32 tensor in a tensor list, or
+// in a call of an op other than the complex32 moves (copy, clone, zero,
+// alias_copy, view_copy), out= arguments and CPU tensors included; the
+// moves are checked again on their dtypes (lowering::Complex32Supported,
+// which also catches complex32 results of other inputs: half + 1j).
+bool Complex32RunsOnCpu(const lowering::LoweringEntry& entry, const c10::OperatorHandle& op,
+                        const torch::jit::Stack& stack) {
+  static const std::unordered_set<std::string_view> kMoves = {"copy", "clone", "zero", "alias_copy", "view_copy"};
+  const auto& args = op.schema().arguments();
+  const size_t first = stack.size() - args.size();
+  const bool move = kMoves.count(entry.name) > 0;
+  bool found = false;
+  for (size_t i = 0; i < args.size() && !found; ++i) {
+    const c10::IValue& v = stack[first + i];
+    ForEachTensor(v, [&](const at::Tensor& t) {
+      if (t.defined() && t.scalar_type() == at::kComplexHalf && (!move || !v.isTensor())) found = true;
+    });
+  }
+  return found;
+}
+
 void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const OpFacts& facts = FactsFor(op);
   const lowering::LoweringEntry* entry = facts.entry;
@@ -1085,6 +1108,10 @@ void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     ExpandMaskIndices(facts, op, stack);
   }
   if (!entry) return RunOnCpu(op, stack, "no lowering");
+  if (Complex32RunsOnCpu(*entry, op, *stack)) {
+    if (WritesSharedStorage(op, *stack)) return RunOnCpuMirror(op, stack);
+    return RunOnCpu(op, stack, "complex32 has no XLA element type");
+  }
   try {
     runtime::RunOp(op, stack, *entry);
   } catch (const runtime::UnsupportedOp& e) {

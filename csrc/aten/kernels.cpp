@@ -298,6 +298,12 @@ at::Tensor CopyFrom(const at::Tensor& src, const at::Tensor& dst_logical, bool n
   if (src.device() != dst_logical.device()) {
     return dst_logical.copy_(src.cpu());
   }
+  // A cast to or from complex32 (u32 bit patterns on the device, which no
+  // lowering converts): CPU's conversion, then a copy of complex32 elements
+  // or of another dtype's.
+  if (src.scalar_type() != dst_logical.scalar_type() &&
+      (src.scalar_type() == at::kComplexHalf || dst_logical.scalar_type() == at::kComplexHalf))
+    return dst_logical.copy_(src.cpu().to(dst_logical.scalar_type()));
   // Within a device, whole storage onto whole storage of one dtype (how
   // AOTAutograd applies a compiled graph's input mutations: param.copy_(
   // new_param)): dst takes src's buffer, no program. Buffers are never

@@ -262,8 +262,13 @@ bool ComplexSupported(const LoweringEntry& entry, const LoweringContext& ctx);
 // where that PyTorch's CPU kernels support for float8 (views pass): the
 // call then runs on the CPU, which gives CPU's values or CPU's error.
 bool Float8Supported(const LoweringEntry& entry, const LoweringContext& ctx);
-// ComplexSupported && Float8Supported: what both executors' paths and graph
-// lowering check before calling a lowering.
+// False when the call has a complex32 (ComplexHalf) tensor, Scalar or
+// output, unless it is copy/clone/zero/alias_copy/view_copy with complex32
+// tensors only (u32 bit patterns moved as they are): complex32 has no XLA
+// element type, so every other such call runs on the CPU.
+bool Complex32Supported(const LoweringEntry& entry, const LoweringContext& ctx);
+// Complex32Supported && ComplexSupported && Float8Supported: what both
+// executors' paths and graph lowering check before calling a lowering.
 bool DtypesSupported(const LoweringEntry& entry, const LoweringContext& ctx);
 // Every registered entry, for coverage reports.
 std::vector<const LoweringEntry*> AllLowerings();

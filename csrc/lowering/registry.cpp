@@ -156,8 +156,33 @@ bool Float8Supported(const LoweringEntry& entry, const LoweringContext& ctx) {
   return true;
 }
 
+bool Complex32Supported(const LoweringEntry& entry, const LoweringContext& ctx) {
+  // complex32 elements are u32 bit patterns on the device (ToElementType):
+  // only moves from complex32 to complex32 (and zeroing, all bits 0 is
+  // 0+0j) are exact on them; any other call with a complex32 tensor,
+  // Scalar or result runs on the CPU (CPU's values or error). View entries
+  // (graph_only) would reinterpret the u32 values: graphs never see one.
+  // Tensor lists carry no dtypes here: the eager kernel (aten/fallback.cpp)
+  // routes every call holding a complex32 tensor anywhere before this.
+  static const std::unordered_set<std::string_view> kComplex32Moves = {"copy", "clone", "zero", "alias_copy",
+                                                                       "view_copy"};
+  bool c32 = false, other = false;
+  auto see = [&](at::ScalarType t) { (t == at::kComplexHalf ? c32 : other) = true; };
+  for (const auto& o : ctx.outputs)
+    if (o.dtype != at::ScalarType::Undefined) see(o.dtype);
+  for (const auto& a : ctx.args) {
+    if (a.kind == LoweredArg::Kind::kTensor) see(a.dtype);
+    if (a.kind == LoweredArg::Kind::kScalar && a.dtype == at::kComplexHalf) see(a.dtype);
+  }
+  if (!c32) return true;
+  if (entry.traits.graph_only || !kComplex32Moves.count(entry.name) || other) return false;
+  for (const auto& a : ctx.args)
+    if (a.kind == LoweredArg::Kind::kScalar || a.kind == LoweredArg::Kind::kTensorList) return false;
+  return true;
+}
+
 bool DtypesSupported(const LoweringEntry& entry, const LoweringContext& ctx) {
-  return ComplexSupported(entry, ctx) && Float8Supported(entry, ctx);
+  return Complex32Supported(entry, ctx) && ComplexSupported(entry, ctx) && Float8Supported(entry, ctx);
 }
 
 std::vector<const LoweringEntry*> AllLowerings() {
@@ -184,6 +209,12 @@ hlo::ElementType ToElementType(at::ScalarType t) {
     case at::kDouble: return E::kF64;
     case at::kComplexFloat: return E::kC64;
     case at::kComplexDouble: return E::kC128;
+    // complex32 (ComplexHalf) has no XLA element type: its storage holds
+    // each element's 4 bytes (real f16, then imaginary f16) as one u32, so
+    // moves are bit for bit and view_as_real's f16 [..., 2] view
+    // reinterprets the same buffer. No lowering computes on it
+    // (Complex32Supported); ToScalarType(kU32) stays UInt32.
+    case at::kComplexHalf: return E::kU32;
     case at::kFloat8_e5m2: return E::kF8E5M2;
     case at::kFloat8_e4m3fn: return E::kF8E4M3FN;
     case at::kFloat8_e5m2fnuz: return E::kF8E5M2FNUZ;

@@ -942,7 +942,9 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
         la.kind = LoweredArg::Kind::kScalar;
         hlo::ElementType e = CpuScalarElement(t, has_f64);
         la.value = b.Parameter(hlo::TensorType{e, {}});
-        la.dtype = lowering::ToScalarType(e);
+        // complex32 is u32 bits on the device (not UInt32): kept so that
+        // lowering::Complex32Supported sends the call to the CPU.
+        la.dtype = t.scalar_type() == at::kComplexHalf ? at::kComplexHalf : lowering::ToScalarType(e);
         la.wrapped_number = t.unsafeGetTensorImpl()->is_wrapped_number();
         inputs.push_back(slot(InputSlot::Kind::kScalar, ai, -1, e));
       }

@@ -93,6 +93,9 @@ int GraphProgram::AddInput(at::ScalarType dtype, const std::vector<int64_t>& siz
   in.dtype = dtype;
   in.sizes = sizes;
   in.numel = Numel(sizes);
+  // complex32 is stored as u32 bit patterns (lowering::ToElementType) that
+  // no lowering computes on: a graph with a complex32 input runs eagerly.
+  if (dtype == at::kComplexHalf) throw GraphUnsupported("graph input: complex32 (ComplexHalf) runs on the CPU");
   try {
     in.element = lowering::ToElementType(dtype);
   } catch (const lowering::LoweringError& e) {
