@@ -1861,6 +1861,7 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   // compile); any other caller queues it and waits.
   auto ready = [&](std::shared_ptr<const CompiledOp> op_) {
     if (PendingCompile* p = op_->pending.get(); p && !p->ready.load(std::memory_order_acquire)) {
+      p->called = true;
       const int64_t after = HostFirstCompileAfter();
       const bool host = after > 1 && host_served && HostFirstCall(op, stack, first, entry) &&
                         HostFirstFits(op, stack, first, *op_);
@@ -1892,7 +1893,7 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   std::shared_ptr<const CompiledOp> recorded;
   if (auto hit = cache_.Find(key); hit && (shape_poly || hit->poly_leader < 0)) {
     const PendingCompile* p = hit->pending.get();
-    if (!(shape_poly && p && !p->queued && p->calls == 0)) {
+    if (!(shape_poly && p && !p->queued && !p->called)) {
       metrics.cache_hits++;
       return ready(std::move(hit));
     }
@@ -1906,6 +1907,7 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     if (HostFirstProgram(op, stack, first, *compiled)) {
       PrepareBackground(compiled, d);
       compiled->pending->calls = host_first_deferred && HostFirstCompileAfter() > 1 ? 0 : 1;
+      compiled->pending->called = true;
       if (HostFirstCompileAfter() <= 1) QueueCompile(compiled);
       *host_served = true;
     } else {

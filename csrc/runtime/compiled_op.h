@@ -136,6 +136,9 @@ struct PendingCompile {
   std::atomic<bool> ready{false};
   bool queued = false;
   int64_t calls = 0;  // calls of the key so far (host-served before the queue)
+  // Whether any call used the entry (a fused recording is not a call): also
+  // set by calls HostFirstDeferScope keeps out of `calls`.
+  bool called = false;
   std::function<void(const std::shared_ptr<CompiledOp>&)> queue;
 };
 
