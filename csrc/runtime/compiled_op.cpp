@@ -1811,6 +1811,15 @@ int64_t HostFirstCompileAfter() {
   return after;
 }
 
+namespace {
+thread_local bool host_first_deferred = false;
+}  // namespace
+
+HostFirstDeferScope::HostFirstDeferScope(bool on) : previous_(host_first_deferred) {
+  host_first_deferred = previous_ || on;
+}
+HostFirstDeferScope::~HostFirstDeferScope() { host_first_deferred = previous_; }
+
 void AwaitBackgroundCompiles() { CompileWorker::Get().AwaitAll(); }
 
 void SubmitBackgroundCompile(std::function<void()> task) { CompileWorker::Get().Submit(std::move(task)); }
@@ -1854,9 +1863,18 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   // compile); any other caller queues it and waits.
   auto ready = [&](std::shared_ptr<const CompiledOp> op_) {
     if (PendingCompile* p = op_->pending.get(); p && !p->ready.load(std::memory_order_acquire)) {
-      ++p->calls;
+      p->called = true;
       const int64_t after = HostFirstCompileAfter();
-      if (after > 1 && host_served && HostFirstCall(op, stack, first, entry) && HostFirstFits(op, stack, first, *op_)) {
+      const bool host = after > 1 && host_served && HostFirstCall(op, stack, first, entry) &&
+                        HostFirstFits(op, stack, first, *op_);
+      // A region's call while the region's program compiles
+      // (HostFirstDeferScope): host-served, not counted.
+      if (host && host_first_deferred) {
+        *host_served = true;
+        return op_;
+      }
+      ++p->calls;
+      if (host) {
         if (p->calls >= after) QueueCompile(op_);
         *host_served = true;
         return op_;
@@ -1877,7 +1895,7 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   std::shared_ptr<const CompiledOp> recorded;
   if (auto hit = cache_.Find(key); hit && (shape_poly || hit->poly_leader < 0)) {
     const PendingCompile* p = hit->pending.get();
-    if (!(shape_poly && p && !p->queued && p->calls == 0)) {
+    if (!(shape_poly && p && !p->queued && !p->called)) {
       metrics.cache_hits++;
       return ready(std::move(hit));
     }
@@ -1890,7 +1908,8 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     std::shared_ptr<CompiledOp> compiled(std::move(built));
     if (HostFirstProgram(op, stack, first, *compiled)) {
       PrepareBackground(compiled, d);
-      compiled->pending->calls = 1;
+      compiled->pending->calls = host_first_deferred && HostFirstCompileAfter() > 1 ? 0 : 1;
+      compiled->pending->called = true;
       if (HostFirstCompileAfter() <= 1) QueueCompile(compiled);
       *host_served = true;
     } else {

@@ -136,6 +136,9 @@ struct PendingCompile {
   std::atomic<bool> ready{false};
   bool queued = false;
   int64_t calls = 0;  // calls of the key so far (host-served before the queue)
+  // Whether any call used the entry (a fused recording is not a call): also
+  // set by calls HostFirstDeferScope keeps out of `calls`.
+  bool called = false;
   std::function<void(const std::shared_ptr<CompiledOp>&)> queue;
 };
 
@@ -312,6 +315,24 @@ int64_t HostFirstMaxBytes();
 // until the executable is ready. Throws std::invalid_argument naming the
 // variable for another value.
 int64_t HostFirstCompileAfter();
+// While a HostFirstDeferScope(true) lives on this thread (the fused
+// executor running a region's calls one by one while that region's own
+// program is queued on the background compile thread), a host-first call is
+// host-served without counting toward HostFirstCompileAfter() and queues no
+// single-op compile: the region's program runs those calls from its next
+// occurrence on, and a single-op compile queued now would finish after it
+// anyway (the compile thread is FIFO). Calls that do not qualify for
+// host-first serving compile as before; with N = 1 nothing changes.
+class HostFirstDeferScope {
+ public:
+  explicit HostFirstDeferScope(bool on);
+  ~HostFirstDeferScope();
+  HostFirstDeferScope(const HostFirstDeferScope&) = delete;
+  HostFirstDeferScope& operator=(const HostFirstDeferScope&) = delete;
+
+ private:
+  bool previous_;
+};
 // Waits until every queued background compile has finished (OpCache::Clear,
 // before fork(), at exit).
 void AwaitBackgroundCompiles();

@@ -649,8 +649,9 @@ class FusedExecutor {
       if (!region->ready.load(std::memory_order_acquire)) {
         // Compiling in the background: the calls run as strict mode runs
         // them meanwhile (never waiting for the region).
-        if (region->failed.load(std::memory_order_acquire)) warn(region->error);
-        RunOneByOne(alive);
+        const bool failed = region->failed.load(std::memory_order_acquire);
+        if (failed) warn(region->error);
+        RunOneByOne(alive, /*region_compiling=*/!failed);
         return;
       }
     } else {
@@ -681,7 +682,7 @@ class FusedExecutor {
       if (CurrentMode() == EagerMode::kFused && !deferred_ && !loop_confirmed_ &&
           !InDiskCache(built->module_text)) {
         CompileInBackground(regions_.Insert(key_, built), name);
-        RunOneByOne(alive);
+        RunOneByOne(alive, /*region_compiling=*/true);
         return;
       }
       try {
@@ -968,8 +969,20 @@ class FusedExecutor {
   // program's output buffer may hold more elements than the recording
   // assumed: later calls are keyed on the buffers they find, as in strict
   // mode).
-  void RunOneByOne(const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& alive) {
+  //
+  // `region_compiling`: the region's own program is queued on the
+  // background compile thread (a new key, or one whose compile has not
+  // ended). Its host-first calls then queue no single-op compile
+  // (HostFirstDeferScope): the region's program serves the key's next
+  // occurrence, and a single-op compile queued now would end after it (the
+  // compile thread is FIFO). Without this a loop's region, a program's
+  // tail or a per-step region queued one compile per repeated op key
+  // (every AdamW op of a step: ~10 for an MLP) that nothing ran afterwards.
+  // Regions run op by op for good (churn, a failed build or compile) count
+  // calls as strict mode does.
+  void RunOneByOne(const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& alive, bool region_compiling = false) {
     Runtime::Get().metrics().fused_regions_op_by_op++;
+    HostFirstDeferScope defer(region_compiling);
     size_t next_created = 0;
     // Each call runs under the default dtype it was recorded (and keyed)
     // with (CPU's kernel of a host-served call reads it).
