@@ -141,7 +141,19 @@ Value Extreme(Builder& b, ElementType e, bool highest, std::span<const int64_t> 
 Value ScatterReduceCore(LoweringContext& ctx, Value self, int64_t dim, const Value& idx, const Value& updates,
                         const std::string& reduce, bool include_self, at::ScalarType t);
 
+// CPU's index_add_/index_copy_/index_reduce_/scatter kernels require source
+// (src) to have self's dtype and raise otherwise; the meta kernels do not
+// check it (index_add_ of a Long source into a Float self lowered to a
+// value). Such a call declines and runs CPU's kernel (its error).
+void SourceDtypeLikeSelf(const LoweringContext& ctx, std::string_view source) {
+  const LoweredArg* src = ctx.find(source);
+  if (src && src->kind == LoweredArg::Kind::kTensor && src->dtype != ctx.arg("self").dtype)
+    throw LoweringError(std::string(source) + " dtype " + c10::toString(src->dtype) + " differs from self's " +
+                        c10::toString(ctx.arg("self").dtype) + " (CPU's kernel decides)");
+}
+
 std::vector<Value> ScatterAlongDim(LoweringContext& ctx, std::string reduce, bool include_self) {
+  SourceDtypeLikeSelf(ctx, "src");
   auto& b = ctx.b;
   const auto& out = ctx.outputs[0];
   at::ScalarType t = out.dtype;
@@ -251,6 +263,7 @@ std::vector<Value> LowerScatterReduce(LoweringContext& ctx) {
 
 // index_add / index_copy: rows of `source` along dim, placed at index.
 std::vector<Value> IndexAlongDim(LoweringContext& ctx, bool add) {
+  SourceDtypeLikeSelf(ctx, "source");
   auto& b = ctx.b;
   const auto& out = ctx.outputs[0];
   at::ScalarType t = out.dtype;
@@ -301,6 +314,7 @@ std::vector<Value> LowerIndexCopy(LoweringContext& ctx) { return IndexAlongDim(c
 // index broadcast over the other dims (mean: integer results floor-divide,
 // as on CPU). Index values must lie in [0, size) (checked: index_checks).
 std::vector<Value> LowerIndexReduce(LoweringContext& ctx) {
+  SourceDtypeLikeSelf(ctx, "source");
   auto& b = ctx.b;
   const auto& out = ctx.outputs[0];
   at::ScalarType t = out.dtype;

@@ -91,6 +91,17 @@ Pw MakePw(LoweringContext& ctx, std::initializer_list<std::string_view> names,
           Promote promote = Promote::kKeep) {
   ScalarType common = ResultType(ctx, names);
   if (promote == Promote::kIntToFloat && !IsFloat(common) && !IsComplex(common)) common = c10::get_default_dtype_as_scalartype();
+  // An in-place or out= call writes the result into an existing tensor:
+  // CPU's TensorIterator (enforce_safe_casting_to_output) raises "result
+  // type Float can't be cast to the desired output type Long" when the
+  // common dtype cannot be cast to it (c10::canCast: floating -> integral,
+  // complex -> real, anything -> bool), but the meta kernels that gave the
+  // output specs do not check it (int.mul_(2.5) compiled to [2, 5]). Such a
+  // call declines here and runs CPU's kernel: CPU's error, or CPU's value
+  // where its kernel allows the cast (in-place comparisons).
+  if (ctx.schema.is_mutable() && !ctx.outputs.empty() && !c10::canCast(common, ctx.outputs[0].dtype))
+    throw LoweringError(std::string("result type ") + c10::toString(common) + " can't be cast to the output type " +
+                        c10::toString(ctx.outputs[0].dtype) + " (CPU's kernel decides)");
   return Pw{ctx, ctx.b, common, OpMathType(common), ctx.outputs.at(0).sizes};
 }
 

@@ -726,3 +726,36 @@ def test_valid_mixed_dtypes_still_compute_on_the_device():
                     torch.testing.assert_close(got, want, rtol=1e-2 if want.dtype == torch.bfloat16 else 1e-5,
                                                atol=1e-2 if want.dtype == torch.bfloat16 else 1e-5)
     assert dict(torch_tpu.metrics().get("cpu_fallbacks", {})) == before
+
+
+_UNSAFE_INPLACE = {
+    "int.mul_(2.5)": lambda d: torch.tensor([1, 2], device=d).mul_(2.5),
+    "int *= float tensor": lambda d: torch.tensor([1, 3], device=d).__imul__(torch.tensor([1.5, 1.5], device=d)),
+    "float.mul_(1j)": lambda d: torch.tensor([1.0, 2.0], device=d).mul_(1j),
+    "float.add_(complex tensor)": lambda d: torch.tensor([1.0, 2.0], device=d).add_(torch.tensor([1j, 1j], device=d)),
+    "out= Long for a Float result": lambda d: torch.add(torch.tensor([1.5], device=d), 1,
+                                                       out=torch.empty(1, dtype=torch.long, device=d)),
+    "index_add_ Long source into Float": lambda d: torch.zeros(3, device=d).index_add_(
+        0, torch.tensor([0], device=d), torch.tensor([1], device=d)),
+    "scatter_ Long src into Float": lambda d: torch.zeros(3, device=d).scatter_(
+        0, torch.tensor([0], device=d), torch.tensor([1], device=d)),
+}
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "debug"])
+@pytest.mark.parametrize("case", list(_UNSAFE_INPLACE))
+def test_unsafe_inplace_cast_raises_like_cpu_every_call(case, mode):
+    """CPU refuses to write a result into a tensor its type cannot be cast to
+    (TensorIterator's enforce_safe_casting_to_output; index_add_/scatter_'s
+    dtype checks); the meta kernels do not check it, so a compiled program
+    (a key's 3rd call in strict mode) wrote [2, 5] for int.mul_(2.5). Every
+    call must raise CPU's error, also once the key is warm."""
+    fn = _UNSAFE_INPLACE[case]
+    with pytest.raises(RuntimeError) as cpu_error:
+        fn("cpu")
+    with torch_tpu.eager_mode(mode):
+        for _ in range(4):
+            with pytest.raises(RuntimeError) as tpu_error:
+                fn("tpu").cpu()
+            torch_tpu.metrics()  # waits for compiles queued by the call
+            assert str(tpu_error.value).split("\n")[0] == str(cpu_error.value).split("\n")[0]
