@@ -990,22 +990,117 @@ class FusedExecutor {
       caffe2::TypeMeta dtype;
       ~RestoreDefault() { c10::set_default_dtype(dtype); }
     } restore{c10::get_default_dtype()};
-    for (auto& rc : calls_) {
-      if (rc.graph) {
-        RunGraphAlone(rc, next_created);
-        continue;
+    size_t i = 0;
+    try {
+      for (; i < calls_.size(); ++i) {
+        RecordedCall& rc = calls_[i];
+        if (rc.graph) {
+          RunGraphAlone(rc, next_created);
+          continue;
+        }
+        // An input known to hold a failed check (poisoned before the region
+        // ran, its error reported): the call does not run and what it writes
+        // inherits the failure, as the region's program would give it;
+        // strict mode's RunStrict would raise here, at an unrelated flush.
+        if (CheckList failed = FailedInputChecks(rc); !failed.empty()) {
+          PoisonCall(rc, next_created, failed);
+          continue;
+        }
+        c10::set_default_dtype(rc.default_dtype);
+        torch::jit::Stack stack(rc.args.begin(), rc.args.end());
+        RunStrict(*rc.op, &stack, *rc.eager->entry);
+        // The stack holds the op's returns: new tensors where the spec says so.
+        for (size_t r = 0; r < rc.eager->spec.outputs.size(); ++r) {
+          if (!rc.eager->spec.defined[r] || rc.eager->spec.return_alias[r] >= 0) continue;
+          const CreatedStorage& cs = created_[next_created++];
+          cs.device_storage->Set(StorageOf(stack[r].toTensor()).current());
+        }
       }
-      c10::set_default_dtype(rc.default_dtype);
-      torch::jit::Stack stack(rc.args.begin(), rc.args.end());
-      RunStrict(*rc.op, &stack, *rc.eager->entry);
-      // The stack holds the op's returns: new tensors where the spec says so.
-      for (size_t r = 0; r < rc.eager->spec.outputs.size(); ++r) {
-        if (!rc.eager->spec.defined[r] || rc.eager->spec.return_alias[r] >= 0) continue;
-        const CreatedStorage& cs = created_[next_created++];
-        cs.device_storage->Set(StorageOf(stack[r].toTensor()).current());
-      }
+    } catch (const c10::IndexError& e) {
+      PoisonUnrun(i, next_created, e.what_without_backtrace(), /*index_error=*/true);
+      throw;
+    } catch (const c10::Error& e) {
+      PoisonUnrun(i, next_created, e.what_without_backtrace(), false);
+      throw;
+    } catch (const std::exception& e) {
+      PoisonUnrun(i, next_created, e.what(), false);
+      throw;
     }
     (void)alive;
+  }
+
+  // The failed checks (known failed, not pending) guarding the storages of
+  // call rc's tpu tensor arguments.
+  static CheckList FailedInputChecks(const RecordedCall& rc) {
+    CheckList failed;
+    auto note = [&](const c10::IValue& v) {
+      if (!v.isTensor() || !v.toTensor().defined() || !v.toTensor().has_storage()) return;
+      if (v.toTensor().device().type() != c10::DeviceType::PrivateUse1) return;
+      for (const auto& c : StorageOf(v.toTensor()).current().checks)
+        if (c->state.load(std::memory_order_acquire) == CheckState::kFailed) InheritChecks(failed, CheckList{c});
+    };
+    for (const auto& v : rc.args) {
+      note(v);
+      if (v.isTensorList())
+        for (const at::Tensor& t : v.toTensorVector()) note(c10::IValue(t));
+    }
+    return failed;
+  }
+
+  // What ATen call rc would write, guarded by `checks` instead of computed:
+  // its new storages (created_[next_created...]) get an empty buffer with
+  // the checks, the storages it writes in place (Tensor(a!) arguments, and
+  // _copy_from's dst, which `.float()` / `.to()` write into a new tensor)
+  // get them added, so every read raises the failure, never the value from
+  // before (zeros for a fresh tensor).
+  void PoisonCall(const RecordedCall& rc, size_t& next_created, const CheckList& checks) {
+    for (size_t r = 0; r < rc.eager->spec.outputs.size(); ++r) {
+      if (!rc.eager->spec.defined[r] || rc.eager->spec.return_alias[r] >= 0) continue;
+      const CreatedStorage& cs = created_[next_created++];
+      cs.device_storage->Set(StorageBuffer{nullptr, cs.element, cs.numel, "fused region", checks});
+    }
+    const auto& schema_args = rc.op->schema().arguments();
+    const bool copy_from = rc.op->schema().name() == "aten::_copy_from";
+    auto poison = [&](const c10::IValue& v) {
+      if (!v.isTensor() || !v.toTensor().defined() || !v.toTensor().has_storage()) return;
+      if (v.toTensor().device().type() != c10::DeviceType::PrivateUse1) return;
+      DeviceStorage& ds = StorageOf(v.toTensor());
+      if (ds.pending()) return;  // a later call's new storage: poisoned when that call is reached
+      StorageBuffer sb = ds.current();
+      if (!sb.buffer) {  // never written (a new tensor `.float()` copies into): typed as the tensor
+        sb.element = lowering::ToElementType(v.toTensor().scalar_type());
+        sb.numel = Capacity(static_cast<int64_t>(ds.nbytes() / ElementSize(sb.element)));
+        sb.producer = "fused region";
+      }
+      InheritChecks(sb.checks, checks);
+      ds.Set(std::move(sb));
+    };
+    for (size_t a = 0; a < schema_args.size() && a < rc.args.size(); ++a) {
+      const auto* alias = schema_args[a].alias_info();
+      if (!((alias && alias->isWrite()) || (copy_from && a == 1))) continue;
+      poison(rc.args[a]);
+      if (rc.args[a].isTensorList())
+        for (const at::Tensor& t : rc.args[a].toTensorVector()) poison(c10::IValue(t));
+    }
+  }
+
+  // A call of a region run op by op raised (calls_[failed]: CPU's error at
+  // the op, e.g. a host-served a // 0): it and the calls after it never
+  // run; what they would write is poisoned with the error (PoisonCall). The
+  // error is being raised now: the poison raises again on reads only, not
+  // at a later sync point. Graph calls' new storages stay pending (a read
+  // raises "has no value").
+  void PoisonUnrun(size_t failed, size_t next_created, const std::string& message, bool index_error) {
+    auto check = std::make_shared<CheckState>();
+    check->message = index_error ? message : Runtime::ValueCheckMessage(message);
+    check->state.store(CheckState::kFailed, std::memory_order_release);
+    check->raised.store(true, std::memory_order_release);
+    const CheckList checks{check};
+    for (size_t i = failed; i < calls_.size(); ++i) {
+      const RecordedCall& rc = calls_[i];
+      if (rc.graph) return;  // how many storages it creates is the graph's: stop here
+      PoisonCall(rc, next_created, checks);
+    }
   }
 
   // A graph call of a region run op by op: the graph's own program, its

@@ -116,7 +116,9 @@ class DeviceStorage {
   // element and numel are valid when initialized(); buffer only when not
   // pending.
   const StorageBuffer& current() const { return current_; }
-  bool initialized() const { return current_.buffer != nullptr || pending_; }
+  // A storage holding only failed checks (a fused region's call that did
+  // not run, FusedExecutor::PoisonCall) is initialized: readers raise.
+  bool initialized() const { return current_.buffer != nullptr || pending_ || !current_.checks.empty(); }
   // A value computed by a fused region that has not run yet.
   bool pending() const { return pending_; }
   void MarkPending(hlo::ElementType element, int64_t numel) {

@@ -238,3 +238,27 @@ def test_clean_programs_carry_no_checks(mode):
         before = torch_tpu.metrics()["device_to_host_bytes"]
         _exact(d, a // b + 1)
         assert torch_tpu.metrics()["device_to_host_bytes"] - before == d.nbytes
+
+
+@pytest.mark.parametrize("convert", ["float", "double", "half", "bool", "int"])
+def test_fused_op_by_op_failure_poisons_later_conversions(convert):
+    """Fused mode, a new region run op by op (empty disk cache): the host-
+    served a // 0 raises CPU's error at the sync, so the region's later calls
+    never run. A conversion recorded after it (`p.float()`: a new tensor
+    written by _copy_from, not a pending storage) read back as zeros
+    (fresh-clone review, session 12); it must raise the error, as the other
+    unrun results do."""
+    a, z = torch.tensor([5, 7, -3, 4]), torch.tensor([1, 0, 2, 1])
+    with torch_tpu.eager_mode("fused"):
+        at, zt = a.to(TPU), z.to(TPU)
+        torch.tpu.synchronize()
+        p = at // zt
+        c = getattr(p, convert)()
+        d = p + 10
+        with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+            torch.tpu.synchronize()
+        for t in (c, c, d, p):
+            with pytest.raises(RuntimeError):
+                t.cpu()
+        torch.tpu.synchronize()  # reported once: no stale error at a later sync
+        assert torch.equal((at + 1).cpu(), a + 1)  # the inputs keep their values
