@@ -16,6 +16,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <unordered_set>
 
 #include "lowering/helpers.h"
 
@@ -99,7 +100,15 @@ Pw MakePw(LoweringContext& ctx, std::initializer_list<std::string_view> names,
   // output specs do not check it (int.mul_(2.5) compiled to [2, 5]). Such a
   // call declines here and runs CPU's kernel: CPU's error, or CPU's value
   // where its kernel allows the cast (in-place comparisons).
-  if (ctx.schema.is_mutable() && !ctx.outputs.empty() && !c10::canCast(common, ctx.outputs[0].dtype))
+  // Comparisons and logical ops compute a bool result from the common dtype
+  // and cast it to any output (build_borrowing_comparison_op: no check).
+  static const std::unordered_set<std::string_view> kCastsAnyOutput = {
+      "aten::eq", "aten::ne", "aten::lt", "aten::le", "aten::gt", "aten::ge",
+      "aten::logical_and", "aten::logical_or", "aten::logical_xor", "aten::logical_not"};
+  const std::string_view op = ctx.schema.name();
+  const std::string_view base = op.ends_with('_') ? op.substr(0, op.size() - 1) : op;
+  if (ctx.schema.is_mutable() && !ctx.outputs.empty() && !kCastsAnyOutput.contains(base) &&
+      !c10::canCast(common, ctx.outputs[0].dtype))
     throw LoweringError(std::string("result type ") + c10::toString(common) + " can't be cast to the output type " +
                         c10::toString(ctx.outputs[0].dtype) + " (CPU's kernel decides)");
   return Pw{ctx, ctx.b, common, OpMathType(common), ctx.outputs.at(0).sizes};
