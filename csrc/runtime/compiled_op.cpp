@@ -216,8 +216,10 @@ bool PolyMarked(std::span<const int8_t> dynamic, size_t num_args, size_t arg, in
 // parameter has the canonical size at the bucket (PolyBufferNumel) and a
 // launch resizes any other buffer to it (GatherInputs).
 // dim < 0 (PlanPolyFlat): keyed by `extent` alone, no rank or sizes.
+// `runtime_offsets`: a nonzero storage offset keyed as -1 (an offset
+// family's key; the program reads it at launch, InputSlot::kOffset).
 void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& ids, bool dynamic = false,
-                  int64_t extent = 0, int64_t dim = 0) {
+                  int64_t extent = 0, int64_t dim = 0, bool runtime_offsets = false) {
   if (!ids.seen.empty() && ids.seen.front()->device_index() != StorageOf(t).device_index())
     throw std::runtime_error("Expected all tensors to be on the same device, but found at least two devices, tpu:" +
                              std::to_string(ids.seen.front()->device_index()) + " and " + t.device().str() + "!");
@@ -240,7 +242,7 @@ void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& 
       atoms.push_back(at != order.end() ? at - order.begin() : t.stride(d) == 0 && t.size(d) > 1 ? -1 : -2);
     }
   }
-  atoms.push_back(t.storage_offset());
+  atoms.push_back(runtime_offsets && t.storage_offset() != 0 ? -1 : t.storage_offset());
   if (dynamic) {
     atoms.push_back(-1);
     atoms.push_back(static_cast<int64_t>(StorageOf(t).nbytes()) == t.numel() * static_cast<int64_t>(t.element_size()));
@@ -254,6 +256,23 @@ void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& 
 
 }  // namespace
 
+bool HasOffsetView(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first) {
+  const size_t num_args = op.schema().arguments().size();
+  auto offset = [](const c10::IValue& v) {
+    if (!v.isTensor()) return false;
+    const at::Tensor& t = v.toTensor();
+    return t.defined() && OnTpu(t) && t.storage_offset() != 0;
+  };
+  for (size_t i = 0; i < num_args; ++i) {
+    const c10::IValue& v = stack[first + i];
+    if (offset(v)) return true;
+    if (v.isTensorList() || v.isList())
+      for (const auto& item : v.toListRef())
+        if (offset(item)) return true;
+  }
+  return false;
+}
+
 int64_t StorageIds::Id(const DeviceStorage* s) {
   for (size_t i = 0; i < seen.size(); ++i)
     if (seen[i] == s) return static_cast<int64_t>(i);
@@ -263,7 +282,7 @@ int64_t StorageIds::Id(const DeviceStorage* s) {
 
 void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                    const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& ids,
-                   std::span<const int8_t> dynamic, int64_t extent, int64_t dim) {
+                   std::span<const int8_t> dynamic, int64_t extent, int64_t dim, bool runtime_offsets) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   bool has_f64 = CallHasF64(args, stack, first);
@@ -278,7 +297,7 @@ void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack
       } else if (OnTpu(t)) {
         atoms.push_back(2);
         const bool dyn = PolyMarked(dynamic, args.size(), i, -1);
-        AppendTensor(atoms, t, ids, dyn, extent, dim);
+        AppendTensor(atoms, t, ids, dyn, extent, dim, runtime_offsets);
       } else if (t.dim() == 0 && t.device().is_cpu()) {
         atoms.push_back(3);
         atoms.push_back(static_cast<int64_t>(t.scalar_type()));
@@ -304,7 +323,7 @@ void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack
         if (!OnTpu(t)) DeviceMismatch(t);
         atoms.push_back(2);
         const bool dyn = PolyMarked(dynamic, args.size(), i, static_cast<int64_t>(j));
-        AppendTensor(atoms, t, ids, dyn, extent, dim);
+        AppendTensor(atoms, t, ids, dyn, extent, dim, runtime_offsets);
       }
     } else if (v.isGenerator()) {
       atoms.push_back(5);
@@ -791,7 +810,43 @@ hlo::Value ProgramBuilder::ReadTensor(const at::Tensor& t, const InputSlot& use)
   }
   if (st.poly) throw UnsupportedOp("shape polymorphism: a storage read with and without the dynamic dim");
   hlo::Value flat = lowering::ReinterpretFlat(b, ReadFlat(st), lowering::ToElementType(t.scalar_type()));
-  return lowering::ReadView(b, flat, LayoutOf(t));
+  lowering::ViewLayout layout = LayoutOf(t);
+  if (const int64_t extent = RuntimeOffsetExtent(t, flat)) {
+    hlo::Value start[] = {OffsetParam(use)};
+    const int64_t sizes[] = {extent};
+    flat = b.DynamicSlice(flat, start, sizes);
+    layout.offset = 0;
+  }
+  return lowering::ReadView(b, flat, layout);
+}
+
+int64_t ProgramBuilder::RuntimeOffsetExtent(const at::Tensor& t, const hlo::Value& flat) const {
+  if (!runtime_offsets || t.storage_offset() == 0 || t.numel() == 0) return 0;
+  int64_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) < 0) return 0;
+    extent += (t.size(d) - 1) * t.stride(d);
+  }
+  // A view PyTorch made lies in its storage, so every offset of the family
+  // has offset + extent <= the storage's elements; a storage read through
+  // another element type (a reinterpreted flat) is checked the same way.
+  if (extent > flat.dims()[0]) throw UnsupportedOp("offset family: the view's extent exceeds its storage");
+  return extent;
+}
+
+hlo::Value ProgramBuilder::OffsetParam(const InputSlot& use) {
+  for (const auto& [slot, value] : offsets_)
+    if (slot.call == use.call && slot.arg == use.arg && slot.item == use.item) return value;
+  if (b.num_parameters() != inputs.size()) throw std::logic_error("ProgramBuilder: parameters and inputs out of step");
+  hlo::Value param = b.Parameter(hlo::TensorType{hlo::ElementType::kS64, {}});
+  InputSlot slot = use;
+  slot.kind = InputSlot::Kind::kOffset;
+  slot.element = hlo::ElementType::kS64;
+  slot.numel = -1;
+  slot.canonical = false;
+  inputs.push_back(slot);
+  offsets_.emplace_back(slot, param);
+  return param;
 }
 
 void ProgramBuilder::WriteTensor(const at::Tensor& t, const InputSlot& use, hlo::Value value) {
@@ -827,7 +882,18 @@ void ProgramBuilder::WriteTensor(const at::Tensor& t, const InputSlot& use, hlo:
   } else {
     hlo::Value old = ReadFlat(st);
     hlo::Value flat = lowering::ReinterpretFlat(b, old, element);
-    hlo::Value updated = lowering::ReinterpretFlat(b, lowering::WriteView(b, flat, LayoutOf(t), value), st.element);
+    lowering::ViewLayout layout = LayoutOf(t);
+    if (const int64_t extent = RuntimeOffsetExtent(t, flat)) {
+      // The view's extent at the runtime offset, written at offset 0 and put back.
+      hlo::Value start[] = {OffsetParam(use)};
+      const int64_t sizes[] = {extent};
+      layout.offset = 0;
+      flat = b.DynamicUpdateSlice(flat, lowering::WriteView(b, b.DynamicSlice(flat, start, sizes), layout, value),
+                                  start);
+    } else {
+      flat = lowering::WriteView(b, flat, layout, value);
+    }
+    hlo::Value updated = lowering::ReinterpretFlat(b, flat, st.element);
     const int64_t kept = updated.dims()[0];
     if (kept < st.numel) {
       // A wider view leaves a tail of the storage no element of it covers
@@ -1457,7 +1523,8 @@ struct Deferred {
 // FinishCompile or the background compile complete it).
 std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
                                     size_t first, const lowering::LoweringEntry& entry,
-                                    const PolyPlan* plan = nullptr, Deferred* defer = nullptr) {
+                                    const PolyPlan* plan = nullptr, Deferred* defer = nullptr,
+                                    bool runtime_offsets = false) {
   const auto& schema = op.schema();
   auto compiled = std::make_unique<CompiledOp>();
   compiled->entry = &entry;
@@ -1473,6 +1540,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   compiled->spec = spec;
 
   ProgramBuilder pb;
+  pb.runtime_offsets = runtime_offsets;
   if (plan) {
     pb.poly = ProgramBuilder::Poly{plan->dynamic,
                                    plan->bucket,
@@ -1926,6 +1994,54 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   // serves the call, the others count this compile.
   std::vector<int*> families;
   if (families_.size() > (size_t{1} << 16)) families_.clear();  // a bound; only the heuristic forgets
+  // Offset churn (an offset family; DESIGN.md "Shape-polymorphic eager
+  // programs"): the exact key missed for a call with a tensor at a nonzero
+  // storage offset. Once kPolyAfter offsets of the same views (sizes,
+  // strides, storages, dtypes) compiled, one program that reads the offsets
+  // at launch serves every offset (ProgramBuilder::runtime_offsets). The
+  // exact key is not added for it: a loop over thousands of offsets
+  // (x[:, k] for each column) would fill the cache with them.
+  if (HasOffsetView(op, stack, first)) {
+    thread_local OpKey offset_key;
+    offset_key.op = key.op;
+    offset_key.atoms.clear();
+    offset_key.atoms.push_back(-2);  // neither a default dtype (exact keys) nor -1 (poly keys)
+    StorageIds offset_ids;
+    AppendCallKey(op, stack, first, entry, offset_key.atoms, offset_ids, {}, 0, 0, /*runtime_offsets=*/true);
+    offset_key.hash = KeyHash(offset_key);
+    if (auto hit = cache_.Find(offset_key)) {
+      metrics.cache_hits++;
+      return ready(std::move(hit));
+    }
+    int* family = &families_[offset_key.hash];
+    if (*family >= kPolyAfter && !recorded) {
+      std::unique_ptr<CompiledOp> built;
+      Deferred d;
+      try {
+        built = Compile(op, stack, first, entry, nullptr, &d, /*runtime_offsets=*/true);
+      } catch (const std::exception&) {
+        built = nullptr;  // the exact program below (which raises what the call raises)
+      }
+      if (built) {
+        metrics.cache_misses++;
+        std::shared_ptr<const CompiledOp> compiled;
+        if (host_first) {
+          compiled = finish(std::move(built), d);
+        } else {
+          try {
+            FinishCompile(*built, d);
+            compiled = std::move(built);
+          } catch (const std::exception&) {
+            compiled = nullptr;
+          }
+        }
+        if (compiled) return cache_.Insert(offset_key, std::move(compiled));
+      }
+      *family = -1;  // declined: this view keeps exact offsets
+    } else if (*family >= 0 && *family < kPolyAfter) {
+      families.push_back(family);
+    }
+  }
   int16_t poly_leader = -1;
   const bool poly_on = shape_poly && ShapePolyEnabled() &&
                        (entry.traits.shape_poly != lowering::PadFill::kNone || entry.traits.poly_flat);
@@ -2150,7 +2266,11 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
   li.device_index = device_index < 0 ? default_device : device_index;
   for (size_t i = 0; i < inputs.size(); ++i) {
     const InputSlot& s = inputs[i];
-    if (s.kind == InputSlot::Kind::kExtent) {
+    if (s.kind == InputSlot::Kind::kOffset) {
+      const int64_t offset = TensorOf(arg_of, s.call, s.arg, s.item).storage_offset();
+      li.temps.push_back(rt.ScalarBuffer(&offset, hlo::ElementType::kS64, li.device_index));
+      li.buffers[i] = li.temps.back().get();
+    } else if (s.kind == InputSlot::Kind::kExtent) {
       const at::Tensor& leader = TensorOf(arg_of, s.call, s.arg, s.item);
       const int64_t n = s.extent_dim < 0 ? leader.numel() : leader.size(s.extent_dim);  // < 0: flat
       li.temps.push_back(rt.ScalarBuffer(&n, hlo::ElementType::kS64, li.device_index));

@@ -49,7 +49,10 @@ struct OpKeyHash {
 struct InputSlot {
   // kExtent: the dynamic extent of a shape-polymorphic program (an s64
   // scalar): size(extent_dim) of argument `arg`.
-  enum class Kind : uint8_t { kStorage, kScalar, kRng, kExtent };
+  // kOffset: the storage offset (elements, an s64 scalar) of tensor `arg`
+  // (`item`) of call `call`, in an offset-family program
+  // (ProgramBuilder::runtime_offsets).
+  enum class Kind : uint8_t { kStorage, kScalar, kRng, kExtent, kOffset };
   Kind kind = Kind::kStorage;
   int32_t call = 0;   // which call of a fused region (0 for a single op)
   int16_t arg = 0;    // argument position in the call
@@ -240,6 +243,13 @@ class ProgramBuilder {
     std::optional<hlo::Value> extent;
   };
   std::optional<Poly> poly;
+  // Offset families (DESIGN.md "Shape-polymorphic eager programs",
+  // **offset families**): a tensor argument at a nonzero storage offset is
+  // read and written at a runtime offset (an s64 parameter per use,
+  // InputSlot::kOffset): a dynamic slice of the view's extent, then the view
+  // at offset 0. One program serves every offset of a view whose sizes,
+  // strides and storage are the same (x[:, k] for every k).
+  bool runtime_offsets = false;
   // The runtime extent (an s64 parameter, created at first use).
   hlo::Value PolyExtent();
   // `flat` (a buffer holding a contiguous tensor of `dims` with
@@ -278,6 +288,13 @@ class ProgramBuilder {
   // dynamic dim at Capacity(bucket), in elements.
   int64_t PolyBufferNumel(const at::Tensor& t) const;
   hlo::Value PolyRows(const at::Tensor& t, hlo::Value flat);  // a dynamic tensor at the bucket, padding filled
+  // The s64 offset parameter of `use` (runtime_offsets), made at first use.
+  hlo::Value OffsetParam(const InputSlot& use);
+  // The elements from t's first to its last (runtime_offsets and a nonzero
+  // offset); 0 where t is read at its static offset. Throws UnsupportedOp
+  // where the extent exceeds `flat` (t's storage as t's element type).
+  int64_t RuntimeOffsetExtent(const at::Tensor& t, const hlo::Value& flat) const;
+  std::vector<std::pair<InputSlot, hlo::Value>> offsets_;
   void WriteTensor(const at::Tensor& t, const InputSlot& use, hlo::Value value);
 };
 
@@ -536,9 +553,16 @@ struct StorageIds {
 // instead of strides and, instead of the storage's bytes, whether they
 // cover them all; never their buffer's size (the program declares the
 // canonical one, InputSlot::numel).
+// `runtime_offsets` (an offset family's key): a tensor's nonzero storage
+// offset is keyed as -1 (any nonzero offset; zero stays 0).
 void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                    const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& storage_ids,
-                   std::span<const int8_t> dynamic = {}, int64_t extent = 0, int64_t dim = 0);
+                   std::span<const int8_t> dynamic = {}, int64_t extent = 0, int64_t dim = 0,
+                   bool runtime_offsets = false);
+
+// Whether a tpu tensor argument (or tensor-list item) of the call is a view
+// at a nonzero storage offset (OpCache::Lookup's offset families).
+bool HasOffsetView(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first);
 
 // Launches the op with the call's arguments (the last `num_args` values of
 // the stack), replaces them with the op's returns, and returns the new
