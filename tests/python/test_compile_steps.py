@@ -100,10 +100,18 @@ def _check(model_fn, batch_fn, loss_fn, mode, optimizer, programs=PROGRAMS, lr=1
         for name, g in want[3].items():
             torch.testing.assert_close(r[3][name], g, rtol=1e-4, atol=grad_atol,
                                        msg=lambda m: f"step {step}, grad of {name}: {m}")
-    # Steady from step 3: in `make test`'s order (after the test_compile*
-    # files, warm disk cache) debug mode with AdamW(fused=True) compiled one
-    # more program at step 2 ([54, 3, 1, 0, ...]; passes from step 2 alone:
-    # cause not found, session 12 note).
+    # Steady from step 3. Why not 2, and why debug mode's count is bounded
+    # rather than constant: an exact key holds each storage's buffer size,
+    # and which size a storage has depends on the process's history — a
+    # shape family that earlier code warmed (tests before this one in
+    # `make test`) serves zeros_like/clone with canonical bucket buffers
+    # ([10, 64]: 16 x 64 elements) where an exact program writes 640. The
+    # optimizer state made at step 0 then keys step 1's calls differently
+    # from later steps' (one more compile at step 1 or 2: reproduced alone
+    # by warming families for [n, 64] first), and in debug mode, which runs
+    # the graphs' checks op by op, launch-time buffer resizes
+    # (tpu::resize_buffer) added 4-6 programs per step, alternating between
+    # two counts (227/229, CI of session 12's stop; 223 alone).
     steady = got[3:]
     assert [r[2] for r in steady] == [0] * len(steady), f"compiles per step: {[r[2] for r in got]}"
     counts = [r[1] for r in steady]
@@ -111,8 +119,8 @@ def _check(model_fn, batch_fn, loss_fn, mode, optimizer, programs=PROGRAMS, lr=1
         assert len(set(counts)) == 1 and counts[0] <= programs[mode][1], f"programs per step: {[r[1] for r in got]}"
     elif mode in programs:
         assert counts == [programs[mode]] * len(steady), f"programs per step: {[r[1] for r in got]}"
-    else:
-        assert len(set(counts)) == 1, f"programs per step: {[r[1] for r in got]}"
+    else:  # debug: bounded (see above), within 16 programs of the fewest
+        assert max(counts) - min(counts) <= 16, f"programs per step: {[r[1] for r in got]}"
     return got
 
 
