@@ -58,6 +58,17 @@ at::Tensor AsStrided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArra
 
 at::Tensor View(const at::Tensor& self, c10::IntArrayRef size) { return at::native::view(self, size); }
 
+// as_strided_ changes self's sizes, strides and offset in place; squeeze_,
+// unsqueeze_, transpose_, t_ and swapdims_ reach it too (ATen's
+// TensorShape.cpp). A fused region holds the tensors its recorded calls
+// read, so it runs first: it saw the old layout (as resize_ and set_ do).
+// Otherwise at::native::as_strided__symint, as every backend.
+const at::Tensor& AsStridedInplace(const at::Tensor& self, c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
+                                   std::optional<c10::SymInt> storage_offset) {
+  runtime::FlushPendingWork();
+  return at::native::as_strided__symint(self, size, stride, std::move(storage_offset));
+}
+
 at::Tensor ReshapeAlias(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
   return at::native::_reshape_alias(self, size, stride);
 }
@@ -403,7 +414,14 @@ at::Scalar LocalScalarDense(const at::Tensor& self) {
 // answer with tpu (PrivateUse1) added to that list; it is reached only when
 // one of the two tensors is on tpu (the dispatcher picks the highest
 // backend), so CPU and other devices keep PyTorch's own answer.
+//
+// Variable::set_data asks this right before it replaces self's storage and
+// layout with from's (shallow_copy_from), so a fused region recorded with
+// either runs first (as for resize_/set_): its calls saw the old fields
+// (`x.data = x.clone()` read the clone's pending output as the clone's own
+// input, "this tensor has no value").
 bool HasCompatibleShallowCopyType(const at::Tensor& self, const at::Tensor& from) {
+  runtime::FlushPendingWork();
   if (self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set())) return true;
   auto dense = [](c10::DispatchKeySet ks) {
     constexpr auto backends = c10::DispatchKeySet(
@@ -427,6 +445,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", Empty);
   m.impl("empty_strided", EmptyStrided);
   m.impl("as_strided", AsStrided);
+  m.impl("as_strided_", AsStridedInplace);
   m.impl("view", View);
   m.impl("_reshape_alias", ReshapeAlias);
   m.impl("unfold", Unfold);

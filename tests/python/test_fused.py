@@ -264,3 +264,43 @@ def test_calls_on_another_device_start_a_new_region(fused):
     assert (a.device, b.device, c.device) == (torch.device("tpu:1"), torch.device("tpu:0"), torch.device("tpu:0"))
     assert a.cpu().tolist() == [2.0, 2.0] and b.cpu().tolist() == [3.0, 3.0]
     assert x.cpu().tolist() == [2.0, 2.0, 2.0] and c.cpu().tolist() == [2.0, 3.0, 4.0]
+
+
+# In-place layout changes after a call was recorded: the region holds the
+# tensors its calls read, so as_strided_ (and squeeze_/unsqueeze_/transpose_/
+# t_ through it) and `x.data = ...` run the region first; before, the region
+# read the new layout (z below was 2 * x[[0, 2, 4]]), or the new storage
+# (`x.data = x.clone()`: "this tensor has no value").
+@pytest.mark.parametrize("name", ["as_strided_", "t_", "unsqueeze_", "squeeze_", "transpose_"])
+def test_layout_change_after_recording_matches_cpu(fused, name):
+    change = {
+        "as_strided_": lambda a: a.as_strided_((3,), (2,), 1),
+        "t_": lambda a: a.t_(),
+        "unsqueeze_": lambda a: a.unsqueeze_(0),
+        "squeeze_": lambda a: a.squeeze_(),
+        "transpose_": lambda a: a.transpose_(0, 1),
+    }[name]
+    base = torch.randn(3, 1, 4, generator=torch.Generator().manual_seed(0))
+    if name == "as_strided_":
+        base = base.flatten()
+    elif name != "squeeze_":
+        base = base.reshape(3, 4)
+    results = []
+    for device in ("cpu", "tpu"):
+        x = base.clone().to(device)
+        y = x[1:] if name == "as_strided_" else x
+        before = y * 2  # recorded with the old layout
+        change(y)
+        y.add_(1)
+        after = y * 3
+        results.append([t.cpu() for t in (before, after, x)])
+    for got, want in zip(results[1], results[0]):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_data_assignment_after_recording(fused):
+    x = torch.arange(20.0).to("tpu")
+    x.data = x.clone() * 3
+    x.add_(1)
+    torch.testing.assert_close(x.cpu(), torch.arange(20.0) * 3 + 1, rtol=0, atol=0)
