@@ -1917,10 +1917,31 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
       metrics.cache_hits++;
       return hit;
     }
+    // A call with a view at a nonzero offset: its spec (output sizes,
+    // dtypes and strides, resizes, aliases) does not depend on the offsets,
+    // so one recorded entry serves the offset family's calls (the region
+    // key and program take the offsets at launch). Kept out of cache_: its
+    // program has this call's offsets. Else a fused loop over x[:, k]
+    // lowered a program per offset and filled both caches with them.
+    const bool offsets = HasOffsetView(op, stack, first);
+    thread_local OpKey offset_key;
+    if (offsets) {
+      offset_key.op = key.op;
+      offset_key.atoms.clear();
+      offset_key.atoms.push_back(-2);
+      StorageIds offset_ids;
+      AppendCallKey(op, stack, first, entry, offset_key.atoms, offset_ids, {}, 0, 0, /*runtime_offsets=*/true);
+      offset_key.hash = KeyHash(offset_key);
+      if (auto hit = recorded_.Find(offset_key)) {
+        metrics.cache_hits++;
+        return hit;
+      }
+    }
     metrics.cache_misses++;
     Deferred d;
     std::shared_ptr<CompiledOp> built(Compile(op, stack, first, entry, nullptr, &d));
     PrepareBackground(built, d);  // calls = 0: recording is not a call
+    if (offsets) return recorded_.Insert(offset_key, std::move(built));
     if (!cache_.Find(key)) cache_.Insert(key, built);
     return recorded_.Insert(key, std::move(built));
   }
