@@ -346,6 +346,19 @@ size_t KeyHash(const OpKey& key) {
   return h;
 }
 
+// Fills `key` with the call's offset-family key: every nonzero storage
+// offset as -1, after a leading -2 (neither a default dtype, which starts
+// exact keys, nor -1, which starts shape-polymorphic ones).
+void BuildOffsetKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                    const lowering::LoweringEntry& entry, OpKey& key) {
+  key.op = &op.schema();
+  key.atoms.clear();
+  key.atoms.push_back(-2);
+  StorageIds ids;
+  AppendCallKey(op, stack, first, entry, key.atoms, ids, {}, 0, 0, /*runtime_offsets=*/true);
+  key.hash = KeyHash(key);
+}
+
 // Fills `key` (reusing its storage: this runs for every op).
 void BuildKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
               const lowering::LoweringEntry& entry, OpKey& key) {
@@ -1926,12 +1939,7 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     const bool offsets = HasOffsetView(op, stack, first);
     thread_local OpKey offset_key;
     if (offsets) {
-      offset_key.op = key.op;
-      offset_key.atoms.clear();
-      offset_key.atoms.push_back(-2);
-      StorageIds offset_ids;
-      AppendCallKey(op, stack, first, entry, offset_key.atoms, offset_ids, {}, 0, 0, /*runtime_offsets=*/true);
-      offset_key.hash = KeyHash(offset_key);
+      BuildOffsetKey(op, stack, first, entry, offset_key);
       if (auto hit = recorded_.Find(offset_key)) {
         metrics.cache_hits++;
         return hit;
@@ -2006,6 +2014,26 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     }
     return compiled;
   };
+  // A family's program (a bucket's, `plan`, or an offset family's): built,
+  // then compiled as `finish` does; null where the lowering or the compile
+  // declines (the exact program then serves, raising what the call raises).
+  auto family_program = [&](const PolyPlan* plan, bool runtime_offsets) -> std::shared_ptr<const CompiledOp> {
+    std::unique_ptr<CompiledOp> built;
+    Deferred d;
+    try {
+      built = Compile(op, stack, first, entry, plan, &d, runtime_offsets);
+    } catch (const std::exception&) {
+      return nullptr;
+    }
+    metrics.cache_misses++;
+    if (host_first) return finish(std::move(built), d);
+    try {
+      FinishCompile(*built, d);
+    } catch (const std::exception&) {
+      return nullptr;
+    }
+    return built;
+  };
   // Shape churn (DESIGN.md "One ATen call", dynamic dims): the exact key
   // missed; a call of a family that compiled kPolyAfter shapes already is
   // served by (or compiles) the program for its bucket.
@@ -2024,40 +2052,15 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   // (x[:, k] for each column) would fill the cache with them.
   if (HasOffsetView(op, stack, first)) {
     thread_local OpKey offset_key;
-    offset_key.op = key.op;
-    offset_key.atoms.clear();
-    offset_key.atoms.push_back(-2);  // neither a default dtype (exact keys) nor -1 (poly keys)
-    StorageIds offset_ids;
-    AppendCallKey(op, stack, first, entry, offset_key.atoms, offset_ids, {}, 0, 0, /*runtime_offsets=*/true);
-    offset_key.hash = KeyHash(offset_key);
+    BuildOffsetKey(op, stack, first, entry, offset_key);
     if (auto hit = cache_.Find(offset_key)) {
       metrics.cache_hits++;
       return ready(std::move(hit));
     }
     int* family = &families_[offset_key.hash];
     if (*family >= kPolyAfter && !recorded) {
-      std::unique_ptr<CompiledOp> built;
-      Deferred d;
-      try {
-        built = Compile(op, stack, first, entry, nullptr, &d, /*runtime_offsets=*/true);
-      } catch (const std::exception&) {
-        built = nullptr;  // the exact program below (which raises what the call raises)
-      }
-      if (built) {
-        metrics.cache_misses++;
-        std::shared_ptr<const CompiledOp> compiled;
-        if (host_first) {
-          compiled = finish(std::move(built), d);
-        } else {
-          try {
-            FinishCompile(*built, d);
-            compiled = std::move(built);
-          } catch (const std::exception&) {
-            compiled = nullptr;
-          }
-        }
-        if (compiled) return cache_.Insert(offset_key, std::move(compiled));
-      }
+      if (auto compiled = family_program(nullptr, /*runtime_offsets=*/true))
+        return cache_.Insert(offset_key, std::move(compiled));
       *family = -1;  // declined: this view keeps exact offsets
     } else if (*family >= 0 && *family < kPolyAfter) {
       families.push_back(family);
@@ -2107,30 +2110,9 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
       cache_.Insert(key, hit);
       return ready(std::move(hit));
     }
-    std::unique_ptr<CompiledOp> built;
-    Deferred d;
-    try {
-      built = Compile(op, stack, first, entry, &plan, &d);
-    } catch (const std::exception&) {
-      built = nullptr;  // the static program below (which raises what the call raises)
-    }
-    if (built) {
-      metrics.cache_misses++;
-      std::shared_ptr<const CompiledOp> compiled;
-      if (host_first) {
-        compiled = finish(std::move(built), d);
-      } else {
-        try {
-          FinishCompile(*built, d);
-          compiled = std::move(built);
-        } catch (const std::exception&) {
-          compiled = nullptr;
-        }
-      }
-      if (compiled) {
-        cache_.Insert(key, compiled);
-        return cache_.Insert(poly_key, std::move(compiled));
-      }
+    if (auto compiled = family_program(&plan, /*runtime_offsets=*/false)) {
+      cache_.Insert(key, compiled);
+      return cache_.Insert(poly_key, std::move(compiled));
     }
     *family = -1;  // declined: this family keeps exact shapes
   }
