@@ -1105,8 +1105,11 @@ std::vector<std::optional<hlo::Value>> ProgramBuilder::AddCall(int32_t call, con
     if (a >= 0) {
       const at::Tensor& target = stack[first + static_cast<size_t>(a)].toTensor();
       hlo::Value value = results[r];
-      // An out= kept at its shape (ComputeSpec, out_resized_by_numel).
-      if (value.dims() != target.sizes().vec() && value.type.numel() == target.numel() && target.numel() > 0)
+      // An out= kept at its shape (ComputeSpec, out_resized_by_numel). Not
+      // a flat program's [bucket] value (PlanPolyFlat), whose numel can
+      // equal its target's when the numel is a bucket (a [4, 4] draw).
+      if (!(poly && poly->dim < 0) && value.dims() != target.sizes().vec() && value.type.numel() == target.numel() &&
+          target.numel() > 0)
         value = b.Reshape(value, target.sizes().vec());
       WriteTensor(target, slot(InputSlot::Kind::kStorage, a, -1, hlo::ElementType::kF32), value);
       continue;

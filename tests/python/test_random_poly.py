@@ -115,6 +115,18 @@ def test_random_fills_bit_identical_default_generator():
     _check(cases, SHAPES)
 
 
+# Multi-dim shapes whose numel is a bucket (4 x 4 = 16, 4 x 5 = 20) first reaching it: the flat program's
+# [bucket] value was reshaped to the target's sizes, the build failed and the family fell back to exact
+# programs for good (6 compiles, bound 4).
+SHAPES_2D = [(2, 5), (3, 4), (4, 4), (3, 3), (4, 5), (2, 2, 5)]
+
+
+def test_random_fills_multi_dim_bucket_numel():
+    cases = [(name, CASES[name][0], CASES[name][1]) for name in ("uniform_", "random_from_to", "bernoulli_")]
+    cases[-1] = ("bernoulli_", CASES["bernoulli_"][0], ["float32"])
+    _check(cases, SHAPES_2D)
+
+
 def test_random_fills_bit_identical_tpu_generator():
     _check([("uniform_", CASES["uniform_"][0], ["float32"])], SHAPES[:6], use_generator=True)
 
