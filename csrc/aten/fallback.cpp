@@ -351,17 +351,7 @@ bool IndexPutDtypesDiffer(const OpFacts& f, const c10::OperatorHandle& op, const
 
 bool HasMathBits(const at::Tensor& t) { return t.defined() && (t.is_conj() || t.is_neg()); }
 
-// Calls `fn` on every tensor of argument value `v` (a tensor, or an item of
-// a tensor list / optional tensor list).
-template <typename Fn>
-void ForEachTensor(const c10::IValue& v, Fn&& fn) {
-  if (v.isTensor()) {
-    fn(v.toTensor());
-  } else if (v.isTensorList() || (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList())) {
-    for (const auto& item : v.toListRef())
-      if (item.isTensor()) fn(item.toTensor());
-  }
-}
+using runtime::ForEachTensor;
 
 // Replaces every tensor of argument value `v` by fn(tensor).
 template <typename Fn>

@@ -16,7 +16,6 @@
 #include <array>
 #include <cmath>
 #include <limits>
-#include <unordered_set>
 
 #include "lowering/helpers.h"
 
@@ -55,6 +54,12 @@ enum class Promote {
   kIntToFloat,  // integer/bool inputs compute in the default float dtype
 };
 
+// How an in-place or out= call's result reaches the tensor it writes.
+enum class OutputCast {
+  kSafe,  // CPU's TensorIterator checks c10::canCast(common, output) (enforce_safe_casting_to_output)
+  kAny,   // comparisons: a bool result, cast to any output (build_borrowing_comparison_op: no check)
+};
+
 // Operands of one pointwise op: the common dtype, the compute dtype and the
 // output's sizes every operand is broadcast to.
 struct Pw {
@@ -89,7 +94,7 @@ struct Pw {
 };
 
 Pw MakePw(LoweringContext& ctx, std::initializer_list<std::string_view> names,
-          Promote promote = Promote::kKeep) {
+          Promote promote = Promote::kKeep, OutputCast cast = OutputCast::kSafe) {
   ScalarType common = ResultType(ctx, names);
   if (promote == Promote::kIntToFloat && !IsFloat(common) && !IsComplex(common)) common = c10::get_default_dtype_as_scalartype();
   // An in-place or out= call writes the result into an existing tensor:
@@ -99,15 +104,8 @@ Pw MakePw(LoweringContext& ctx, std::initializer_list<std::string_view> names,
   // complex -> real, anything -> bool), but the meta kernels that gave the
   // output specs do not check it (int.mul_(2.5) compiled to [2, 5]). Such a
   // call declines here and runs CPU's kernel: CPU's error, or CPU's value
-  // where its kernel allows the cast (in-place comparisons).
-  // Comparisons and logical ops compute a bool result from the common dtype
-  // and cast it to any output (build_borrowing_comparison_op: no check).
-  static const std::unordered_set<std::string_view> kCastsAnyOutput = {
-      "aten::eq", "aten::ne", "aten::lt", "aten::le", "aten::gt", "aten::ge",
-      "aten::logical_and", "aten::logical_or", "aten::logical_xor", "aten::logical_not"};
-  const std::string_view op = ctx.schema.name();
-  const std::string_view base = op.ends_with('_') ? op.substr(0, op.size() - 1) : op;
-  if (ctx.schema.is_mutable() && !ctx.outputs.empty() && !kCastsAnyOutput.contains(base) &&
+  // where its kernel allows the cast.
+  if (cast == OutputCast::kSafe && ctx.schema.is_mutable() && !ctx.outputs.empty() &&
       !c10::canCast(common, ctx.outputs[0].dtype))
     throw LoweringError(std::string("result type ") + c10::toString(common) + " can't be cast to the output type " +
                         c10::toString(ctx.outputs[0].dtype) + " (CPU's kernel decides)");
@@ -539,7 +537,7 @@ std::vector<Value> LowerMaskedFill(LoweringContext& ctx) {
 
 template <CompareDirection D>
 std::vector<Value> Compare(LoweringContext& ctx) {
-  Pw p = MakePw(ctx, {"self", "other"});
+  Pw p = MakePw(ctx, {"self", "other"}, Promote::kKeep, OutputCast::kAny);
   p.compute = p.common;
   if (IsComplex(p.common) && D != kEQ && D != kNE)
     throw LoweringError(ctx.op_name() + ": complex numbers are not ordered");

@@ -570,6 +570,18 @@ bool HasOffsetView(const c10::OperatorHandle& op, const torch::jit::Stack& stack
 // launch's completion event is tracked for the next sync point.
 std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, size_t num_args);
 
+// Calls `fn` on every tensor of argument value `v` (a tensor, or an item of
+// a tensor list / optional tensor list; undefined ones included).
+template <typename Fn>
+void ForEachTensor(const c10::IValue& v, Fn&& fn) {
+  if (v.isTensor()) {
+    fn(v.toTensor());
+  } else if (v.isTensorList() || (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList())) {
+    for (const auto& item : v.toListRef())
+      if (item.isTensor()) fn(item.toTensor());
+  }
+}
+
 // The device storage behind a `tpu` tensor.
 DeviceStorage& StorageOf(const at::Tensor& t);
 // A new contiguous `tpu` tensor whose storage holds `buffer`.

@@ -1036,18 +1036,18 @@ class FusedExecutor {
   // call rc's tpu tensor arguments.
   static CheckList FailedInputChecks(const RecordedCall& rc) {
     CheckList failed;
-    auto note = [&](const c10::IValue& v) {
-      if (!v.isTensor() || !v.toTensor().defined() || !v.toTensor().has_storage()) return;
-      if (v.toTensor().device().type() != c10::DeviceType::PrivateUse1) return;
-      for (const auto& c : StorageOf(v.toTensor()).current().checks)
-        if (c->state.load(std::memory_order_acquire) == CheckState::kFailed) InheritChecks(failed, CheckList{c});
-    };
-    for (const auto& v : rc.args) {
-      note(v);
-      if (v.isTensorList())
-        for (const at::Tensor& t : v.toTensorVector()) note(c10::IValue(t));
-    }
+    for (const auto& v : rc.args)
+      ForEachTensor(v, [&](const at::Tensor& t) {
+        if (!IsTpuStorage(t)) return;
+        for (const auto& c : StorageOf(t).current().checks)
+          if (c->state.load(std::memory_order_acquire) == CheckState::kFailed) InheritChecks(failed, CheckList{c});
+      });
     return failed;
+  }
+
+  // Whether t is a defined tensor with a tpu storage.
+  static bool IsTpuStorage(const at::Tensor& t) {
+    return t.defined() && t.has_storage() && t.device().type() == c10::DeviceType::PrivateUse1;
   }
 
   // What ATen call rc would write, guarded by `checks` instead of computed:
@@ -1064,14 +1064,13 @@ class FusedExecutor {
     }
     const auto& schema_args = rc.op->schema().arguments();
     const bool copy_from = rc.op->schema().name() == "aten::_copy_from";
-    auto poison = [&](const c10::IValue& v) {
-      if (!v.isTensor() || !v.toTensor().defined() || !v.toTensor().has_storage()) return;
-      if (v.toTensor().device().type() != c10::DeviceType::PrivateUse1) return;
-      DeviceStorage& ds = StorageOf(v.toTensor());
+    auto poison = [&](const at::Tensor& t) {
+      if (!IsTpuStorage(t)) return;
+      DeviceStorage& ds = StorageOf(t);
       if (ds.pending()) return;  // a later call's new storage: poisoned when that call is reached
       StorageBuffer sb = ds.current();
       if (!sb.buffer) {  // never written (a new tensor `.float()` copies into): typed as the tensor
-        sb.element = lowering::ToElementType(v.toTensor().scalar_type());
+        sb.element = lowering::ToElementType(t.scalar_type());
         sb.numel = Capacity(static_cast<int64_t>(ds.nbytes() / ElementSize(sb.element)));
         sb.producer = "fused region";
       }
@@ -1080,10 +1079,7 @@ class FusedExecutor {
     };
     for (size_t a = 0; a < schema_args.size() && a < rc.args.size(); ++a) {
       const auto* alias = schema_args[a].alias_info();
-      if (!((alias && alias->isWrite()) || (copy_from && a == 1))) continue;
-      poison(rc.args[a]);
-      if (rc.args[a].isTensorList())
-        for (const at::Tensor& t : rc.args[a].toTensorVector()) poison(c10::IValue(t));
+      if ((alias && alias->isWrite()) || (copy_from && a == 1)) ForEachTensor(rc.args[a], poison);
     }
   }
 
