@@ -20,6 +20,16 @@ it, the time of a second pass (everything warm), and the first pass against
 CPU eager. Block: pre-norm attention (4 heads, softmax over the sequence),
 layer norms, GELU MLP, hidden 64, batch 2, causal mask; lengths 1..65
 around the bucket edges 8, 16, 32, 64 (torch_tpu._dynamic buckets).
+
+offsets (`--only offsets`): views at a new storage offset each iteration
+(docs/design.md "Offset families"): the column-order check PyTorch's
+test_sort runs, `((b != b) | (a <= b)).all().item()` over the column pairs
+(a, b) = (x[:, k], x[:, k + 1]) of a 64 x 513 float32 tensor (NaN in
+every 7th column), 512 pairs, in strict and fused mode with offset
+families (the default) and without (TORCH_TPU_SHAPE_POLY=0: exact offsets
+in keys and programs), against CPU eager: the first pass (compiles
+included), its compiles, device programs and host-served calls, and a
+second pass over the same columns.
 """
 from __future__ import annotations
 
@@ -138,6 +148,66 @@ def _child_generate(config: str) -> dict:
             "longer_compiles": longer_c, "tokens": [tokens, tokens_longer]}
 
 
+OFFSET_COLUMNS = 512
+
+
+def _child_offsets(config: str) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x = torch.randn(64, OFFSET_COLUMNS + 1)
+    x[:, ::7] = float("nan")
+    metrics = None
+    if config != "cpu":
+        import torch_tpu
+
+        torch_tpu.set_eager_mode(config.split("-")[0])  # "strict-exact": strict
+        x = x.to("tpu")
+        metrics = torch_tpu.metrics
+
+    def one_pass():
+        m0 = metrics() if metrics else {}
+        start = time.perf_counter()
+        order = []
+        for k in range(OFFSET_COLUMNS):
+            a, b = x[:, k], x[:, k + 1]
+            order.append(bool(((b != b) | (a <= b)).all().item()))
+        elapsed = time.perf_counter() - start
+        m1 = metrics() if metrics else {}
+        counts = {c: m1.get(c, 0) - m0.get(c, 0) for c in ("compiles", "executions", "host_served")}
+        return elapsed, counts, order
+
+    first, counts, order = one_pass()
+    warm, warm_counts, _ = one_pass()
+    return {"first_s": first, "warm_s": warm, "counts": counts, "warm_counts": warm_counts, "order": order}
+
+
+OFFSET_ROWS = ("cpu", "strict", "strict-exact", "fused", "fused-exact")
+
+
+def _offsets_table() -> None:
+    results = {c: _run_child("offsets", c) for c in OFFSET_ROWS}
+    cpu = results["cpu"]
+    print(f"offsets: {OFFSET_COLUMNS} column pairs ((b != b) | (a <= b)).all().item() of a 64 x "
+          f"{OFFSET_COLUMNS + 1} float32 tensor; fresh process and empty cache per row; "
+          "'exact': TORCH_TPU_SHAPE_POLY=0 (no offset families)")
+    print()
+    print("| configuration | first pass (s) | compiles | programs | host-served calls | warm pass (s) | "
+          "warm programs | warm host-served | first pass / CPU | order = CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for config, r in results.items():
+        c, w = r["counts"], r["warm_counts"]
+        same = "yes" if r["order"] == cpu["order"] else "NO"
+        name = "CPU eager" if config == "cpu" else "tpu " + config
+        dash = config == "cpu"
+        print(f"| {name} | {r['first_s']:.2f} | {'-' if dash else c['compiles']} | "
+              f"{'-' if dash else c['executions']} | {'-' if dash else c['host_served']} | {r['warm_s']:.3f} | "
+              f"{'-' if dash else w['executions']} | {'-' if dash else w['host_served']} | "
+              f"{r['first_s'] / cpu['first_s']:.1f}x | {same} |")
+    print()
+
+
 def _run_child(kind: str, config: str) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCH_TPU_CACHE_DIR=cache, OMP_NUM_THREADS="1")
@@ -147,6 +217,10 @@ def _run_child(kind: str, config: str) -> dict:
             env["TORCH_TPU_HOST_FIRST_COMPILE_AFTER"] = "1"
         elif config != "cpu":  # the default, whatever the caller's environment
             env["TORCH_TPU_HOST_FIRST_COMPILE_AFTER"] = "2"
+        if config.endswith("-exact"):  # no offset families (nor shape families)
+            env["TORCH_TPU_SHAPE_POLY"] = "0"
+        elif config != "cpu":
+            env["TORCH_TPU_SHAPE_POLY"] = "1"
         r = subprocess.run([sys.executable, __file__, "--child", f"{kind}:{config}"], env=env,
                            capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
@@ -178,7 +252,7 @@ def _generate_table(rows=GENERATE_ROWS) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--only", choices=["generate", "lengths"], help="run one of the two tables")
+    p.add_argument("--only", choices=["generate", "lengths", "offsets"], help="run one of the three tables")
     p.add_argument("--rows", default=",".join(GENERATE_ROWS),
                    help="(a)/(b) rows, comma-separated, 'cpu' first: cpu, strict (the default: "
                         "TORCH_TPU_HOST_FIRST_COMPILE_AFTER=2), strict-after1 (=1), strict-host-first-off "
@@ -186,7 +260,12 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         kind, config = args.child.split(":")
-        print(json.dumps(_child_generate(config) if kind == "generate" else _child(config)))
+        child = {"generate": _child_generate, "offsets": _child_offsets}.get(kind, _child)
+        print(json.dumps(child(config)))
+        return
+    if args.only in (None, "offsets"):
+        _offsets_table()
+    if args.only == "offsets":
         return
     if args.only != "lengths":
         rows = tuple(args.rows.split(","))

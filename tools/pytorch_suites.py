@@ -187,6 +187,7 @@ def run_file(fname: str, device: str, out: Path, n: int, python: str = sys.execu
         "TORCH_TPU_SUITE_SKIP": str(skip),
         "TORCH_TPU_SUITE_SAMPLE": str(n),
         "TORCH_TPU_SUITE_DEFER": str(defer_file),
+        "TORCH_TPU_SUITE_SYNC": "1" if device == "tpu" else "0",
         "PYTHONPATH": os.pathsep.join([str(PLUGIN_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
         "PYTHONDONTWRITEBYTECODE": "1",
     })

@@ -25,6 +25,12 @@ device type and:
   before each test, flushed at once, so a crash loses nothing but the test it
   happened in.
 
+- with ``TORCH_TPU_SUITE_SYNC=1`` (the tpu runs) ends every test with
+  ``torch.tpu.synchronize()`` in its teardown: an error that needs device
+  values (a value or index check, raised at the next sync point in strict
+  mode) that a test left pending fails that test (outcome ``error``), not
+  the next test's first read of a tensor.
+
 Outcomes: ``passed``, ``failed``, ``error`` (setup/teardown), ``skipped``,
 ``xfailed``, ``xpassed``, ``timeout``. Not a public API: the runner's detail.
 """
@@ -44,6 +50,7 @@ _SAMPLE = int(os.environ.get("TORCH_TPU_SUITE_SAMPLE", "1"))
 _DEFER = os.environ.get("TORCH_TPU_SUITE_DEFER")
 _TIMEOUT = float(os.environ.get("TORCH_TPU_SUITE_TIMEOUT", "60"))
 _HARD_GRACE = float(os.environ.get("TORCH_TPU_SUITE_GRACE", "30"))
+_SYNC = os.environ.get("TORCH_TPU_SUITE_SYNC") == "1"
 
 
 def _write(record: dict) -> None:
@@ -119,6 +126,14 @@ def pytest_runtest_protocol(item, nextitem):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
         faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if _SYNC:
+        import torch
+
+        torch.tpu.synchronize()  # raises an error the test left pending
 
 
 _state: dict = {}

@@ -7,6 +7,7 @@
 #include <c10/util/Float8_e8m0fnu.h>
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 
 namespace torch_tpu::lowering {
@@ -537,6 +538,15 @@ Value Fit(Builder& b, const Value& v, std::span<const int64_t> sizes) {
 }
 
 Value Out(Builder& b, const Value& v, const OutputSpec& spec) { return Fit(b, Cast(b, v, spec.dtype), spec.sizes); }
+
+double MaxFinite(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return 65504.0;
+    case at::kBFloat16: return 3.3895313892515355e38;
+    case at::kFloat: return std::numeric_limits<float>::max();
+    default: return std::numeric_limits<double>::max();
+  }
+}
 
 namespace {
 

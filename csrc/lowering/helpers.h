@@ -59,6 +59,9 @@ int64_t Numel(std::span<const int64_t> dims);
 Value Fit(Builder& b, const Value& v, std::span<const int64_t> sizes);
 // v cast to the output's dtype and fitted to its sizes.
 Value Out(Builder& b, const Value& v, const OutputSpec& spec);
+// The largest finite value of floating dtype t (Half 65504, BFloat16
+// 3.3895e38, Float FLT_MAX, else DBL_MAX), as std::numeric_limits<scalar_t>::max().
+double MaxFinite(at::ScalarType t);
 
 // PyTorch's type promotion over the named arguments of the op
 // (at::native::result_type: dimensioned tensors over 0-d tensors over Python

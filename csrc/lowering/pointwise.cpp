@@ -569,15 +569,6 @@ std::vector<Value> LowerIsinf(LoweringContext& ctx) {
   return {Cmp(p.b, p.b.Abs(p.In("self")), p.C(std::numeric_limits<double>::infinity()), kEQ)};
 }
 
-double MaxFinite(ScalarType t) {
-  switch (t) {
-    case at::kHalf: return 65504.0;
-    case at::kBFloat16: return 3.3895313892515355e38;
-    case at::kFloat: return std::numeric_limits<float>::max();
-    default: return std::numeric_limits<double>::max();
-  }
-}
-
 std::vector<Value> LowerNanToNum(LoweringContext& ctx) {
   ScalarType dtype = ctx.arg("self").dtype;
   Pw p = MakePwAs(ctx, dtype);

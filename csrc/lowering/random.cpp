@@ -73,7 +73,16 @@ std::vector<Value> LowerUniform(LoweringContext& ctx) {
   at::ScalarType t = FloatCompute(out.dtype);
   const double from = ctx.has("from") ? ctx.float_arg("from") : 0.0;
   const double to = ctx.has("to") ? ctx.float_arg("to") : 1.0;
+  // CPU's uniform_impl_ (ATen DistributionTemplates.h) checks, in this
+  // order: from and to within the dtype's range (CHECK_OUT_OF_BOUNDS),
+  // from <= to, and to - from <= the dtype's max. `from` and `to` are float
+  // arguments, part of the key, so a check here covers every call.
+  const double highest = MaxFinite(out.dtype), lowest = -highest;
+  TORCH_CHECK(from >= lowest && from <= highest, "from is out of bounds for ", c10::scalarTypeToTypeMeta(out.dtype));
+  TORCH_CHECK(to >= lowest && to <= highest, "to is out of bounds for ", c10::scalarTypeToTypeMeta(out.dtype));
   TORCH_CHECK(from <= to, "uniform_ expects to return a [from, to) range, but found from=", from, " > to=", to);
+  TORCH_CHECK(to - from <= highest, "uniform_ expects to-from <= std::numeric_limits<", out.dtype,
+              ">::max(), but found to=", to, " and from=", from, " which result in to-from to exceed the limit");
   Value u = Uniform(ctx, out.sizes, WantsF64(out.dtype));
   Value r = b.Add(b.Mul(u, ConstLike(b, u, to - from)), ConstLike(b, u, from));
   return {Out(b, Cast(b, r, t), out)};
@@ -110,6 +119,21 @@ std::vector<Value> LowerNormal(LoweringContext& ctx) {
   Value z = b.Reshape(b.Mul(radius, b.Unary("stablehlo.cosine", angle)), out.sizes);
   Value mean = FloatOrTensor(ctx, "mean", t, out.sizes, 0.0);
   Value std = FloatOrTensor(ctx, "std", t, out.sizes, 1.0);
+  // CPU's normal checks std first (ATen DistributionTemplates.h): a float
+  // std < 0 (CHECK_NORMAL_STD; a float argument is part of the key, so
+  // checked here for every call), a tensor std with an element < 0 or NaN
+  // (CHECK_NORMAL_TENSOR_STD, std.min().ge(0)): a value check, raised at
+  // the next sync point (debug mode: at the op).
+  if (const LoweredArg* s = ctx.find("std"); s && s->kind == LoweredArg::Kind::kTensor) {
+    if (std.type.numel() > 0) {
+      Value bad = b.Not(b.Compare(std, ConstLike(b, std, 0), CompareDirection::kGE));
+      ctx.check(bad.rank() == 0 ? bad : ReduceOr(b, bad, ReductionDims({}, bad.rank()), false),
+                "normal expects all elements of std >= 0.0");
+    }
+  } else if (s && s->kind != LoweredArg::Kind::kNone && s->kind != LoweredArg::Kind::kScalar) {
+    const double sd = ctx.float_arg("std");
+    TORCH_CHECK(sd >= 0.0, "normal expects std >= 0.0, but found std ", sd);
+  }
   return {Out(b, b.Add(b.Mul(z, std), mean), out)};
 }
 
@@ -342,6 +366,22 @@ std::vector<Value> LowerRandperm(LoweringContext& ctx) {
   const auto& out = ctx.outputs[0];
   const int64_t n = ctx.int_arg("n");
   if (n < 0) throw LoweringError(ctx.op_name() + ": n must be non-negative, got " + std::to_string(n));
+  // CPU's randperm checks n against the result's dtype first
+  // (check_supported_max_int_with_precision, ATen TensorFactories.cpp):
+  // n - 1 converts to it without overflow (Scalar::to's checked conversion,
+  // as CPU's at::scalar_tensor), and a floating dtype holds every integer
+  // up to n. n is an int argument, part of the key: checked for every call.
+  const c10::Scalar top(n > 0 ? n - 1 : n);
+  switch (out.dtype) {
+    case at::kByte: (void)top.to<uint8_t>(); break;
+    case at::kChar: (void)top.to<int8_t>(); break;
+    case at::kShort: (void)top.to<int16_t>(); break;
+    case at::kInt: (void)top.to<int32_t>(); break;
+    case at::kHalf: TORCH_CHECK(n <= (int64_t{1} << 11) + 1, "n cannot be greater than 2049 for Half type."); break;
+    case at::kFloat: TORCH_CHECK(n <= (int64_t{1} << 24) + 1, "n cannot be greater than 2^24+1 for Float type."); break;
+    case at::kDouble: TORCH_CHECK(n <= (int64_t{1} << 53) + 1, "n cannot be greater than 2^53+1 for Double type."); break;
+    default: break;
+  }
   std::vector<int64_t> dims{n};
   if (n == 0) return {Const(b, ToElementType(out.dtype), 0, out.sizes)};
   Value stream = OwnStream(ctx);

@@ -624,15 +624,35 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
                             " but the tensor has " + c10::str(target.sizes()));
       if (out_resized_by_numel && target.numel() == c10::multiply_integers(spec.outputs[r].sizes)) continue;
       spec.resize_outputs.emplace_back(a, spec.outputs[r].sizes);
+      if (out_resized_by_numel)
+        spec.out_resize = BaseName(op.schema()) == "arange" ? OutResize::kArange : OutResize::kPlain;
     }
     spec.outputs[r].dtype = target.scalar_type();
   }
   return spec;
 }
 
+void ResizeOuts(const std::vector<std::pair<int16_t, std::vector<int64_t>>>& resizes, OutResize rule,
+                const torch::jit::Stack& stack, size_t first) {
+  for (const auto& [arg, sizes] : resizes) {
+    const at::Tensor& t = stack[first + static_cast<size_t>(arg)].toTensor();
+    if (rule == OutResize::kResizeOutput) {
+      at::native::resize_output(t, sizes);
+      continue;
+    }
+    if (t.sizes() == at::IntArrayRef(sizes)) continue;  // resized already (the compile's ApplyResizes)
+    const int64_t n = c10::multiply_integers(sizes);
+    if (rule == OutResize::kArange && t.numel() > 0)
+      TORCH_WARN("The number of elements in the out tensor of shape ", t.sizes(), " is ", t.numel(),
+                 " which does not match the computed number of elements ", n,
+                 ". Note that this may occur as a result of rounding error. "
+                 "The out tensor will be resized to a tensor of shape (", n, ",).");
+    t.resize_(sizes);
+  }
+}
+
 void ApplyResizes(const CallSpec& spec, const torch::jit::Stack& stack, size_t first) {
-  for (const auto& [arg, sizes] : spec.resize_outputs)
-    at::native::resize_output(stack[first + static_cast<size_t>(arg)].toTensor(), sizes);
+  ResizeOuts(spec.resize_outputs, spec.out_resize, stack, first);
 }
 
 ProgramBuilder::StorageState& ProgramBuilder::StateFor(const at::Tensor& t, const InputSlot& use) {
@@ -1553,6 +1573,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
                        : ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);
   if (!plan) ApplyResizes(spec, stack, first);
   compiled->resize_outputs = spec.resize_outputs;
+  compiled->out_resize = spec.out_resize;
   compiled->spec = spec;
 
   ProgramBuilder pb;
@@ -1939,7 +1960,7 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     // key and program take the offsets at launch). Kept out of cache_: its
     // program has this call's offsets. Else a fused loop over x[:, k]
     // lowered a program per offset and filled both caches with them.
-    const bool offsets = HasOffsetView(op, stack, first);
+    const bool offsets = ShapePolyEnabled() && HasOffsetView(op, stack, first);
     thread_local OpKey offset_key;
     if (offsets) {
       BuildOffsetKey(op, stack, first, entry, offset_key);
@@ -2053,7 +2074,8 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   // at launch serves every offset (ProgramBuilder::runtime_offsets). The
   // exact key is not added for it: a loop over thousands of offsets
   // (x[:, k] for each column) would fill the cache with them.
-  if (HasOffsetView(op, stack, first)) {
+  // TORCH_TPU_SHAPE_POLY=0: exact offsets only.
+  if (ShapePolyEnabled() && HasOffsetView(op, stack, first)) {
     thread_local OpKey offset_key;
     BuildOffsetKey(op, stack, first, entry, offset_key);
     if (auto hit = cache_.Find(offset_key)) {
@@ -2317,8 +2339,7 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
 std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, size_t num_args) {
   auto& rt = Runtime::Get();
   const size_t first = stack.size() - num_args;
-  for (const auto& [arg, sizes] : op.resize_outputs)
-    at::native::resize_output(stack[first + static_cast<size_t>(arg)].toTensor(), sizes);
+  ResizeOuts(op.resize_outputs, op.out_resize, stack, first);
   ArgResolver arg_of = [&](int32_t, int16_t arg) -> const c10::IValue& {
     return stack[first + static_cast<size_t>(arg)];
   };

@@ -115,10 +115,18 @@ struct ReturnSlot {
 // What PyTorch's meta kernel says about one call: per return, the output
 // spec and whether it is a written argument (in-place self, out=) or a new
 // tensor; out= arguments that must be resized first.
+// How an op resizes an out= tensor of the wrong size (CPU's kernels):
+// at::native::resize_output (warns when it had elements), or, for
+// LoweringTraits::out_resized_by_numel ops, a plain resize_ (linspace,
+// logspace: no warning) or arange's own warning ("... The out tensor will
+// be resized to a tensor of shape (n,)", RangeFactories.cpp) then resize_.
+enum class OutResize : uint8_t { kResizeOutput, kPlain, kArange };
+
 struct CallSpec {
   std::vector<lowering::OutputSpec> outputs;  // dtype of the target for written returns
   std::vector<int16_t> return_alias;          // written argument, or -1 for a new tensor
   std::vector<std::pair<int16_t, std::vector<int64_t>>> resize_outputs;
+  OutResize out_resize = OutResize::kResizeOutput;
   std::vector<bool> defined;                  // false: the op returns an undefined tensor (output_mask)
   // Per return: a new tensor's strides where they are not row-major (the
   // meta kernel's: TensorIterator's stride propagation, memory_format=), a
@@ -157,6 +165,7 @@ struct CompiledOp {
   std::vector<int64_t> donor_inputs;         // inputs aliased to their storage's new value
   // out= arguments resized (to these sizes) before each launch.
   std::vector<std::pair<int16_t, std::vector<int64_t>>> resize_outputs;
+  OutResize out_resize = OutResize::kResizeOutput;
   std::string module_text;  // kept for TORCH_TPU_DUMP_HLO and errors
   // A shape-polymorphic program (OpCache::Lookup): serves every call whose
   // argument `poly_leader` has size(poly_dim) in (.., poly_bucket]; `spec`
@@ -178,6 +187,9 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
                      bool out_resized_by_numel = false, std::span<const int8_t> dynamic = {},
                      int64_t extent = 0, int64_t dim = 0);
 void ApplyResizes(const CallSpec& spec, const torch::jit::Stack& stack, size_t first);
+// Resizes each (argument, sizes) of `resizes` as `rule` says.
+void ResizeOuts(const std::vector<std::pair<int16_t, std::vector<int64_t>>>& resizes, OutResize rule,
+                const torch::jit::Stack& stack, size_t first);
 
 // The checks one lowered call computes beside its results (pred 0-d values,
 // true = the call's inputs are invalid) and the message each raises at the

@@ -282,8 +282,9 @@ class FusedExecutor {
     call_key_begin_.push_back(key_.size());
     key_.push_back(reinterpret_cast<int64_t>(&op.schema()));
     // Nonzero storage offsets are runtime inputs of region programs
-    // (ProgramBuilder::runtime_offsets): a loop over x[:, k] is one region.
-    AppendCallKey(op, *stack, first, entry, key_, ids_, {}, 0, 0, /*runtime_offsets=*/true);
+    // (ProgramBuilder::runtime_offsets): a loop over x[:, k] is one region
+    // (TORCH_TPU_SHAPE_POLY=0: a region per offset, as before).
+    AppendCallKey(op, *stack, first, entry, key_, ids_, {}, 0, 0, /*runtime_offsets=*/ShapePolyEnabled());
 
     RecordedCall rc{op, eager,
                     std::vector<c10::IValue>(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end()),
@@ -515,7 +516,8 @@ class FusedExecutor {
         AppendGraphKey(rc, key_, ids_);
       } else {
         key_.push_back(reinterpret_cast<int64_t>(&rc.op->schema()));
-        AppendCallKey(*rc.op, rc.args, 0, *rc.eager->entry, key_, ids_, {}, 0, 0, /*runtime_offsets=*/true);
+        AppendCallKey(*rc.op, rc.args, 0, *rc.eager->entry, key_, ids_, {}, 0, 0,
+                      /*runtime_offsets=*/ShapePolyEnabled());
       }
       while (next_created < rest_created.size() &&
              rest_created[next_created].call == static_cast<int32_t>(n + c)) {
@@ -811,7 +813,7 @@ class FusedExecutor {
   // compiled yet.
   std::shared_ptr<CompiledRegion> Build(const std::vector<c10::intrusive_ptr<c10::StorageImpl>>& alive) {
     ProgramBuilder pb;
-    pb.runtime_offsets = true;  // as the region key (RecordCall)
+    pb.runtime_offsets = ShapePolyEnabled();  // as the region key (RecordCall)
     size_t next_created = 0;
     // Each call is lowered under the default dtype it was recorded (and
     // keyed) with: torch.set_default_dtype may have changed since.

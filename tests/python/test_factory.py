@@ -149,6 +149,33 @@ def test_factory_out_of_other_numel_is_resized_like_cpu():
         check_exact(base_tpu, base_cpu)
 
 
+@pytest.mark.parametrize("call", ["linspace", "logspace", "arange", "arange_rounding"])
+def test_factory_out_resize_warns_like_cpu(call):
+    # CPU's kernels resize a wrong-numel out with resize_ (linspace, logspace:
+    # no warning), arange after its own warning (RangeFactories.cpp, "The out
+    # tensor will be resized ..."), not resize_output's deprecation warning.
+    import warnings
+    fns = {"linspace": lambda o: torch.linspace(0, 1, 6, out=o),
+           "logspace": lambda o: torch.logspace(0, 1, 6, out=o),
+           "arange": lambda o: torch.arange(0, 6, out=o),
+           "arange_rounding": lambda o: torch.arange(-1, 1, 2.0 / 49, out=o)}
+    seen = {}
+    for dev in ("cpu", "tpu"):
+        out = torch.zeros(1, 49, device=dev)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            fns[call](out)
+        seen[dev] = ([str(x.message).split(" (Triggered internally")[0] for x in w], tuple(out.shape), out)
+    assert seen["tpu"][0] == seen["cpu"][0]
+    assert seen["tpu"][1] == seen["cpu"][1]
+    if call == "arange_rounding":
+        # CPU's vectorized arange adds step * i in float within each vector
+        # (Vectorized<float>::arange), the lowering in double: 1 ulp apart.
+        torch.testing.assert_close(seen["tpu"][2].cpu(), seen["cpu"][2], rtol=0, atol=1.2e-7)
+    else:
+        check_exact(seen["tpu"][2], seen["cpu"][2])
+
+
 # --- torch.range (aten::range, end inclusive): lowered with arange's
 # formula (CPU's range_out: start + i * step in acc_type), so the only
 # warning is torch.range's own deprecation warning.
