@@ -373,6 +373,7 @@ std::vector<Value> LowerRandperm(LoweringContext& ctx) {
   // up to n. n is an int argument, part of the key: checked for every call.
   const c10::Scalar top(n > 0 ? n - 1 : n);
   switch (out.dtype) {
+    case at::kBool: TORCH_CHECK_NOT_IMPLEMENTED(false, "\"randperm\" not implemented for 'Bool'"); break;
     case at::kByte: (void)top.to<uint8_t>(); break;
     case at::kChar: (void)top.to<int8_t>(); break;
     case at::kShort: (void)top.to<int16_t>(); break;

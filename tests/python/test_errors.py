@@ -179,6 +179,8 @@ DEVICE_CASES = {
                                          r"normal expects all elements of std >= 0.0"),
     "randperm_out_half_too_large": (lambda o: torch.randperm(2050, out=o), [torch.empty(0, dtype=torch.float16)],
                                     "n cannot be greater than 2049 for Half type"),
+    "randperm_bool": (lambda o: torch.randperm(3, out=o), [torch.empty(0, dtype=torch.bool)],
+                      "\"randperm\" not implemented for 'Bool'"),
     "randperm_out_uint8_overflow": (lambda o: torch.randperm(257, out=o), [torch.empty(0, dtype=torch.uint8)],
                                     "value cannot be converted to type uint8_t without overflow"),
     # integer division and remainder by zero: CPU's RuntimeError "ZeroDivisionError"
