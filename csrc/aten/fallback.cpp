@@ -161,13 +161,22 @@ void RunOnCpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std
                               "' is not implemented for the tpu device (", reason,
                               "), and TORCH_TPU_CPU_FALLBACK=0 forbids running it on the CPU.");
   auto& metrics = runtime::Runtime::Get().metrics();
-  bool first;
   {
     std::lock_guard<std::mutex> lock(metrics.fallback_mutex);
-    first = metrics.cpu_fallbacks[name]++ == 0;
+    metrics.cpu_fallbacks[name]++;
+  }
+  // The warning (once per op) follows the first call CPU's kernel completes:
+  // a call it rejects raises CPU's error alone, as on CPU (the meta kernel
+  // rejecting an invalid call sends it here).
+  at::native::cpu_fallback(op, stack);
+  static std::mutex warned_mutex;
+  static std::unordered_set<std::string> warned;
+  bool first;
+  {
+    std::lock_guard<std::mutex> lock(warned_mutex);
+    first = warned.insert(name).second;
   }
   if (first) TORCH_WARN("torch_tpu: ", name, " runs on the CPU (", reason, "); results are copied back to tpu.");
-  at::native::cpu_fallback(op, stack);
 }
 
 // Index lists (Tensor?[]) may hold CPU tensors, as on CUDA: move them. So

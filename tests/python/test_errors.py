@@ -781,3 +781,30 @@ def test_unsafe_inplace_cast_raises_like_cpu_every_call(case, mode):
                 fn("tpu").cpu()
             torch_tpu.metrics()  # waits for compiles queued by the call
             assert str(tpu_error.value).split("\n")[0] == str(cpu_error.value).split("\n")[0]
+
+
+def test_invalid_call_the_meta_kernel_rejects_raises_without_fallback_warning():
+    """A call the meta kernel rejects (an invalid argument) runs CPU's kernel,
+    which raises CPU's error: no "runs on the CPU" warning goes with it (CPU
+    gives none); the op's first call CPU's kernel completes still warns.
+    Fresh process: the warning is once per op and process."""
+    from conftest import run_python
+
+    code = (
+        "import warnings, torch, torch_tpu\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    try:\n"
+        "        torch.empty(4, device='tpu').normal_(0, -1)\n"
+        "    except RuntimeError as e:\n"
+        "        print('raised', str(e).splitlines()[0])\n"
+        "print('invalid', sum('runs on the CPU' in str(x.message) for x in w))\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    torch.special.bessel_j0(torch.ones(3, device='tpu'))\n"
+        "    torch.special.bessel_j0(torch.ones(3, device='tpu'))\n"
+        "print('valid', sum('runs on the CPU' in str(x.message) for x in w))\n"
+    )
+    r = run_python(code, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "raised normal expects std >= 0.0, but found std -1" in r.stdout
+    assert "invalid 0" in r.stdout and "valid 1" in r.stdout, r.stdout
