@@ -1133,7 +1133,7 @@ TORCH_TPU_LOWERINGS({
     {"repeat", LowerRepeat},
     {"tril", LowerTril},
     {"triu", LowerTriu},
-    {"arange", LowerArange, {.static_scalars = true, .out_resized_by_numel = true}},
+    {"arange", LowerArange, {.static_scalars = true, .out_resized_by_numel = true, .out_resize_warns = true}},
     // range(start, end, step): end inclusive; CPU's range_out computes
     // start + i * step in acc_type (double for float/double, float for
     // half/bfloat16, int64 for integers), as arange: its lowering serves.

@@ -220,6 +220,11 @@ struct LoweringTraits {
   // result.resize_({n})`); an out of the right numel keeps its shape and
   // strides and receives the values in its logical order.
   bool out_resized_by_numel = false;
+  // With out_resized_by_numel: CPU's kernel warns before that resize when
+  // `out` had elements (arange_out, RangeFactories.cpp: "... The out tensor
+  // will be resized to a tensor of shape (n,)."); linspace/logspace/range
+  // resize silently.
+  bool out_resize_warns = false;
   // CPU builds the op's TensorIterator with check_all_same_dtype (unary
   // ops: neg, abs, sign, floor, ...): an out= of another dtype than `self`
   // raises "Found dtype <out> but expected <self>" (checked before lowering,

@@ -624,8 +624,10 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
                             " but the tensor has " + c10::str(target.sizes()));
       if (out_resized_by_numel && target.numel() == c10::multiply_integers(spec.outputs[r].sizes)) continue;
       spec.resize_outputs.emplace_back(a, spec.outputs[r].sizes);
-      if (out_resized_by_numel)
-        spec.out_resize = BaseName(op.schema()) == "arange" ? OutResize::kArange : OutResize::kPlain;
+      if (out_resized_by_numel) {  // a rare path: the registry says how CPU's kernel resizes
+        const lowering::LoweringEntry* entry = lowering::FindLowering(BaseName(schema));
+        spec.out_resize = entry && entry->traits.out_resize_warns ? OutResize::kArange : OutResize::kPlain;
+      }
     }
     spec.outputs[r].dtype = target.scalar_type();
   }

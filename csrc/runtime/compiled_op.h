@@ -118,8 +118,9 @@ struct ReturnSlot {
 // How an op resizes an out= tensor of the wrong size (CPU's kernels):
 // at::native::resize_output (warns when it had elements), or, for
 // LoweringTraits::out_resized_by_numel ops, a plain resize_ (linspace,
-// logspace: no warning) or arange's own warning ("... The out tensor will
-// be resized to a tensor of shape (n,)", RangeFactories.cpp) then resize_.
+// logspace: no warning) or, with LoweringTraits::out_resize_warns, arange's
+// own warning ("... The out tensor will be resized to a tensor of shape
+// (n,)", RangeFactories.cpp) then resize_.
 enum class OutResize : uint8_t { kResizeOutput, kPlain, kArange };
 
 struct CallSpec {
