@@ -689,8 +689,10 @@ def error_section(outcomes: dict, meta: dict) -> list[str]:
       "generated. *fail*: *no error* (tpu returned a value), *wrong exception type*, *message differs*. "
       "Passes counted \"via CPU fallback\" raised from an op that ran on the CPU (no lowering, or a call "
       "whose written tensor overlaps another argument, which runs on a CPU mirror of the same layout). "
-      "`error_inputs_sparse` is not run: sparse layouts are not supported on tpu "
-      "(OpInfos with sparse error inputs: `mul`, `sum`, `zeros_like`, `randn_like`).")
+      "`error_inputs_sparse` is not run here: the OpInfos with sparse error inputs (`mul`, `sum`, "
+      "`zeros_like`, `randn_like`) define none for the COO layout, the sparse layout tpu has "
+      "(tests/python/test_sparse.py checks that and runs every OpInfo's COO samples against CPU); "
+      "compressed layouts (CSR/CSC/BSR/BSC) have no tpu kernels.")
     w("")
     w("Errors that need device values (beyond the ErrorInputs; tests/python/test_errors.py checks each in "
       "strict, debug and fused mode against CPU's exception type and message) are value checks "

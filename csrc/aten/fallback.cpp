@@ -41,9 +41,6 @@
 #include "runtime/executor.h"
 
 namespace torch_tpu::aten {
-namespace {
-
-}  // namespace
 
 at::Tensor PhysicalView(const at::Tensor& t);     // kernels.cpp
 at::Tensor ResolveMathBits(const at::Tensor& t);  // kernels.cpp
@@ -155,7 +152,10 @@ const OpFacts& FactsFor(const c10::OperatorHandle& op) {
   return *slot;
 }
 
-void RunOnCpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& reason) {
+}  // namespace
+
+void RunOnCpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& reason,
+              void (*cpu_call)(const c10::OperatorHandle&, torch::jit::Stack*)) {
   std::string name = OpName(op.schema());
   TORCH_CHECK_NOT_IMPLEMENTED(CpuFallbackAllowed(), "The operator '", name,
                               "' is not implemented for the tpu device (", reason,
@@ -168,7 +168,10 @@ void RunOnCpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std
   // The warning (once per op) follows the first call CPU's kernel completes:
   // a call it rejects raises CPU's error alone, as on CPU (the meta kernel
   // rejecting an invalid call sends it here).
-  at::native::cpu_fallback(op, stack);
+  if (cpu_call != nullptr)
+    cpu_call(op, stack);
+  else
+    at::native::cpu_fallback(op, stack);
   static std::mutex warned_mutex;
   static std::unordered_set<std::string> warned;
   bool first;
@@ -178,6 +181,8 @@ void RunOnCpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std
   }
   if (first) TORCH_WARN("torch_tpu: ", name, " runs on the CPU (", reason, "); results are copied back to tpu.");
 }
+
+namespace {
 
 // Index lists (Tensor?[]) may hold CPU tensors, as on CUDA: move them. So
 // may the index tensor an entry checks (IndexCheck::index: index_fill,

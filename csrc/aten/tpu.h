@@ -2,6 +2,8 @@
 #pragma once
 
 #include <ATen/core/Generator.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
 #include <c10/core/Storage.h>
@@ -37,6 +39,19 @@ void ResizeStorageBytes(const c10::Storage& storage, size_t nbytes, at::ScalarTy
 // fallback.cpp: registers the boxed kernel directly for every ATen op that
 // has a lowering (called once when torch_tpu._C loads).
 void RegisterLoweredOpsDirectly();
+// fallback.cpp: runs `op` on the CPU, with one warning per op naming
+// `reason` and a count in torch_tpu.metrics()["cpu_fallbacks"]; raises
+// NotImplementedError naming the op under TORCH_TPU_CPU_FALLBACK=0.
+// `cpu_call` moves the arguments to the CPU, calls the op and moves the
+// results back (nullptr: PyTorch's at::native::cpu_fallback, dense tensors).
+void RunOnCpu(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::string& reason,
+              void (*cpu_call)(const c10::OperatorHandle&, torch::jit::Stack*) = nullptr);
+// sparse_kernels.cpp: registers the sparse CPU fallback for the
+// SparsePrivateUse1 key of every ATen op with a SparseCPU kernel and no
+// SparsePrivateUse1 one, ahead of CompositeExplicitAutograd kernels that
+// would compute otherwise than CPU's sparse kernel (sum() of a sparse
+// tensor). Called once when torch_tpu._C loads.
+void RegisterSparseOps();
 // optimizer_kernels.cpp: registers PyTorch's composite kernel of every
 // _foreach_* op for the tpu key, run as one program per call.
 void RegisterForeachOps();

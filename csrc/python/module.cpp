@@ -106,6 +106,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_tpu C++ core: PJRT runtime, lowerings and eager executors";
   torch_tpu::aten::RegisterLoweredOpsDirectly();
   torch_tpu::aten::RegisterForeachOps();
+  torch_tpu::aten::RegisterSparseOps();
   m.def("_set_plugin_path", &Runtime::SetPluginPath, "Plugin to load on first use");
   m.def("_plugin_path", [] { return Runtime::PluginPath(); });
   m.def("_init", [] {
