@@ -64,9 +64,16 @@ namespace {
 bool OnTpu(const at::Tensor& t) { return t.defined() && t.device().type() == kTpu; }
 
 // A tpu tensor's CPU counterpart (sparse: its indices and values copied by
-// _to_copy, the coalesced flag kept); other tensors as they are.
-at::Tensor ToCpu(const at::Tensor& t, std::optional<c10::Device>& device) {
-  if (!OnTpu(t)) return t;
+// _to_copy, the coalesced flag kept); other tensors as they are, but a
+// tensor of another device (0-dim CPU tensors aside, as PyTorch allows
+// them) raises PyTorch's device mismatch error, as on CUDA, rather than
+// computing on the CPU.
+at::Tensor ToCpu(const at::Tensor& t, std::optional<c10::Device>& device, std::optional<c10::Device>& other) {
+  if (!t.defined()) return t;
+  if (!OnTpu(t)) {
+    if (!(t.is_cpu() && t.dim() == 0) && !other) other = t.device();
+    return t;
+  }
   if (!device) device = t.device();
   return t.cpu();
 }
@@ -93,19 +100,18 @@ void SparseCpuCall(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& args = schema.arguments();
   const size_t n = args.size();
   const size_t first = stack->size() - n;
-  std::optional<c10::Device> device;
+  std::optional<c10::Device> device, other;
   // Written tensor arguments: (position, tpu tensor, its CPU counterpart).
   struct Written {
     size_t arg;
     at::Tensor tpu, cpu;
   };
   std::vector<Written> written;
-  std::vector<c10::IValue> originals(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
   for (size_t i = 0; i < n; ++i) {
     c10::IValue& v = (*stack)[first + i];
     const bool write = args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
     if (v.isTensor()) {
-      at::Tensor cpu = ToCpu(v.toTensor(), device);
+      at::Tensor cpu = ToCpu(v.toTensor(), device, other);
       if (write && OnTpu(v.toTensor())) written.push_back({i, v.toTensor(), cpu});
       v = cpu;
     } else if (v.isTensorList()) {
@@ -113,13 +119,13 @@ void SparseCpuCall(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       for (const at::Tensor& t : v.toTensorList()) {
         TORCH_CHECK(!(write && OnTpu(t)), "torch_tpu: ", schema.name(),
                     " writes a tensor list with tpu tensors, which the sparse CPU fallback does not support");
-        list.push_back(ToCpu(t, device));
+        list.push_back(ToCpu(t, device, other));
       }
       v = list;
     } else if (v.isOptionalTensorList()) {
       c10::List<std::optional<at::Tensor>> list;
       for (const std::optional<at::Tensor>& t : v.toOptionalTensorList())
-        list.push_back(t.has_value() ? std::optional<at::Tensor>(ToCpu(*t, device)) : std::nullopt);
+        list.push_back(t.has_value() ? std::optional<at::Tensor>(ToCpu(*t, device, other)) : std::nullopt);
       v = list;
     } else if (v.isDevice() && v.toDevice().type() == kTpu) {
       if (!device) device = v.toDevice();
@@ -127,6 +133,8 @@ void SparseCpuCall(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
   }
   TORCH_INTERNAL_ASSERT(device.has_value(), "torch_tpu: sparse fallback for ", schema.name(), " saw no tpu argument");
+  TORCH_CHECK(!other, "Expected all tensors to be on the same device, but found at least two devices, ", *device,
+              " and ", *other, "! (", schema.name(), ")");
   op.callBoxed(stack);
   for (const Written& w : written) WriteBack(w.tpu, w.cpu);
   const auto& returns = schema.returns();

@@ -252,3 +252,16 @@ def test_opinfo_sparse_coo_samples_match_cpu(mode):
                     failures.append(f"{what}: {str(e)[:200]}")
     assert not failures, "\n".join(failures)
     assert checked >= 40  # 48 in PyTorch 2.13: the test must not pass on no samples
+
+
+def test_mixing_a_cpu_tensor_raises_like_cuda():
+    """A sparse tpu tensor with a dense CPU tensor (not a 0-dim scalar)
+    raises PyTorch's device mismatch error, as a CUDA one does, instead of
+    computing on the CPU; 0-dim CPU tensors are allowed as scalars."""
+    s = torch.tensor([[0., 1.], [2., 0.]]).to_sparse().to("tpu")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.ones(2, 2).add_(s)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        s.mul(torch.ones(2, 2))
+    r = s.mul(torch.tensor(3.0))
+    assert r.device.type == "tpu" and torch.equal(r.to_dense().cpu(), torch.tensor([[0., 3.], [6., 0.]]))
