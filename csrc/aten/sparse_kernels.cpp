@@ -15,13 +15,14 @@
 //    on the CPU: sparse tpu arguments become sparse CPU tensors (indices and
 //    values copied), dense tpu ones dense CPU tensors, a tpu device argument
 //    the CPU; CPU's kernel runs, so results, dtypes and errors are CPU's;
-//    written arguments get their new value back (a sparse one: its sizes,
-//    indices, values and coalesced flag, through copy_), and other results
+//    written arguments get their new value back (WriteBack: keeping CPU's
+//    aliasing of a sparse tensor's indices and values), and other results
 //    move to the tpu device. Counted and warned once per op like every CPU
 //    fallback (torch_tpu.metrics()["cpu_fallbacks"]; TORCH_TPU_CPU_FALLBACK=0
 //    makes it a NotImplementedError naming the op).
 // Sparse compressed layouts (CSR/CSC/BSR/BSC) have no tpu kernels.
 #include <ATen/ATen.h>
+#include <ATen/SparseTensorImpl.h>
 #include <ATen/ops/_coalesced_native.h>
 #include <ATen/ops/_dimI_native.h>
 #include <ATen/ops/_dimV_native.h>
@@ -54,6 +55,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <unordered_map>
 #include <vector>
 
 #include "aten/tpu.h"
@@ -64,33 +66,70 @@ namespace {
 bool OnTpu(const at::Tensor& t) { return t.defined() && t.device().type() == kTpu; }
 
 // A tpu tensor's CPU counterpart (sparse: its indices and values copied by
-// _to_copy, the coalesced flag kept); other tensors as they are, but a
-// tensor of another device (0-dim CPU tensors aside, as PyTorch allows
-// them) raises PyTorch's device mismatch error, as on CUDA, rather than
-// computing on the CPU.
-at::Tensor ToCpu(const at::Tensor& t, std::optional<c10::Device>& device, std::optional<c10::Device>& other) {
-  if (!t.defined()) return t;
-  if (!OnTpu(t)) {
-    if (!(t.is_cpu() && t.dim() == 0) && !other) other = t.device();
-    return t;
-  }
-  if (!device) device = t.device();
-  return t.cpu();
-}
+// _to_copy, the coalesced flag kept), one per tensor: a tensor passed twice
+// (self and out= of smm's sspaddmm_out) stays one tensor on the CPU. Other
+// tensors stay as they are, but one of another device (0-dim CPU tensors
+// read as scalars aside, as PyTorch allows them) raises PyTorch's device
+// mismatch error, as on CUDA, rather than computing on the CPU.
+struct CpuCopies {
+  std::optional<c10::Device> device, other;
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> copies;
 
-// Writes `cpu`, the value a CPU kernel left in the CPU counterpart of the
-// written tpu argument `tpu`, back into it: a sparse one takes its sizes,
-// dims, indices, values and coalesced flag (copy_sparse_), a dense one is
-// resized as CPU's kernel resized it, then copied.
-void WriteBack(const at::Tensor& tpu, const at::Tensor& cpu) {
+  at::Tensor Of(const at::Tensor& t, bool written) {
+    if (!t.defined()) return t;
+    if (!OnTpu(t)) {
+      if ((written || !(t.is_cpu() && t.dim() == 0)) && !other) other = t.device();
+      return t;
+    }
+    if (!device) device = t.device();
+    auto [it, inserted] = copies.try_emplace(t.unsafeGetTensorImpl());
+    if (inserted) it->second = t.cpu();
+    return it->second;
+  }
+};
+
+// A written tpu argument and its CPU counterpart; for a sparse one, the
+// counterpart's indices and values tensors before the call.
+struct Written {
+  size_t arg;
+  at::Tensor tpu, cpu, cpu_indices, cpu_values;
+};
+
+// Writes the value CPU's kernel left in `w.cpu` back into `w.tpu`. Sparse:
+// where CPU's kernel wrote its indices or values tensor in place (div_ by a
+// scalar, neg_, sqrt_: earlier _values() aliases see the change), the tpu
+// tensor's own one is written in place too (resized if CPU's was); where it
+// put in a new tensor (add_, mul_, zero_), the tpu tensor gets a new one;
+// then sizes, dims and the coalesced flag. Dense: resized as CPU's kernel
+// resized it, then copied.
+void WriteBack(const Written& w) {
+  const at::Tensor& tpu = w.tpu;
+  const at::Tensor& cpu = w.cpu;
   if (tpu.is_sparse()) {
     TORCH_CHECK(cpu.is_sparse(), "torch_tpu: a sparse tpu tensor was written with a ", cpu.layout(),
                 " value on the CPU");
-    tpu.copy_(cpu);
+    const at::Tensor ci = cpu._indices(), cv = cpu._values();
+    auto in_place = [&](const at::Tensor& own, const at::Tensor& now, const at::Tensor& before) {
+      if (now.unsafeGetTensorImpl() != before.unsafeGetTensorImpl()) return now.to(tpu.device());
+      if (own.sizes() != now.sizes()) own.resize_(now.sizes());
+      own.copy_(now);
+      return own;
+    };
+    at::Tensor indices = in_place(tpu._indices(), ci, w.cpu_indices);
+    at::Tensor values = in_place(tpu._values(), cv, w.cpu_values);
+    auto* impl = static_cast<at::SparseTensorImpl*>(tpu.unsafeGetTensorImpl());
+    impl->raw_resize_(cpu.sparse_dim(), cpu.dense_dim(), cpu.sizes());
+    impl->set_indices_and_values_unsafe(indices, values);
+    impl->set_coalesced(cpu.is_coalesced());
     return;
   }
   if (tpu.sizes() != cpu.sizes()) at::native::resize_output(tpu, cpu.sizes());
   tpu.copy_(cpu);
+}
+
+bool Compressed(const at::Tensor& t) {
+  const c10::Layout l = t.layout();
+  return l == c10::kSparseCsr || l == c10::kSparseCsc || l == c10::kSparseBsr || l == c10::kSparseBsc;
 }
 
 // The CPU call behind the fallback (see the file comment). Runs under
@@ -100,43 +139,43 @@ void SparseCpuCall(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& args = schema.arguments();
   const size_t n = args.size();
   const size_t first = stack->size() - n;
-  std::optional<c10::Device> device, other;
-  // Written tensor arguments: (position, tpu tensor, its CPU counterpart).
-  struct Written {
-    size_t arg;
-    at::Tensor tpu, cpu;
-  };
+  CpuCopies cpu;
   std::vector<Written> written;
   for (size_t i = 0; i < n; ++i) {
     c10::IValue& v = (*stack)[first + i];
     const bool write = args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
     if (v.isTensor()) {
-      at::Tensor cpu = ToCpu(v.toTensor(), device, other);
-      if (write && OnTpu(v.toTensor())) written.push_back({i, v.toTensor(), cpu});
-      v = cpu;
+      const at::Tensor t = v.toTensor();
+      at::Tensor c = cpu.Of(t, write);
+      if (write && OnTpu(t))
+        written.push_back({i, t, c, t.is_sparse() ? c._indices() : at::Tensor(),
+                           t.is_sparse() ? c._values() : at::Tensor()});
+      v = c;
     } else if (v.isTensorList()) {
       c10::List<at::Tensor> list;
       for (const at::Tensor& t : v.toTensorList()) {
         TORCH_CHECK(!(write && OnTpu(t)), "torch_tpu: ", schema.name(),
                     " writes a tensor list with tpu tensors, which the sparse CPU fallback does not support");
-        list.push_back(ToCpu(t, device, other));
+        list.push_back(cpu.Of(t, write));
       }
       v = list;
     } else if (v.isOptionalTensorList()) {
       c10::List<std::optional<at::Tensor>> list;
       for (const std::optional<at::Tensor>& t : v.toOptionalTensorList())
-        list.push_back(t.has_value() ? std::optional<at::Tensor>(ToCpu(*t, device, other)) : std::nullopt);
+        list.push_back(t.has_value() ? std::optional<at::Tensor>(cpu.Of(*t, write)) : std::nullopt);
       v = list;
     } else if (v.isDevice() && v.toDevice().type() == kTpu) {
-      if (!device) device = v.toDevice();
+      if (!cpu.device) cpu.device = v.toDevice();
       v = c10::Device(c10::kCPU);
     }
   }
-  TORCH_INTERNAL_ASSERT(device.has_value(), "torch_tpu: sparse fallback for ", schema.name(), " saw no tpu argument");
-  TORCH_CHECK(!other, "Expected all tensors to be on the same device, but found at least two devices, ", *device,
-              " and ", *other, "! (", schema.name(), ")");
+  TORCH_INTERNAL_ASSERT(cpu.device.has_value(), "torch_tpu: sparse fallback for ", schema.name(),
+                        " saw no tpu argument");
+  TORCH_CHECK(!cpu.other, "Expected all tensors to be on the same device, but found at least two devices, ",
+              *cpu.device, " and ", *cpu.other, "! (", schema.name(), ")");
+  const c10::Device device = *cpu.device;
   op.callBoxed(stack);
-  for (const Written& w : written) WriteBack(w.tpu, w.cpu);
+  for (const Written& w : written) WriteBack(w);
   const auto& returns = schema.returns();
   const size_t rfirst = stack->size() - returns.size();
   for (size_t r = 0; r < returns.size(); ++r) {
@@ -160,12 +199,17 @@ void SparseCpuCall(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     // registered below).
     TORCH_CHECK_NOT_IMPLEMENTED(alias == nullptr, "torch_tpu: ", schema.name(),
                                 " returns a view of a sparse tensor; it has no tpu kernel");
+    auto to_device = [&](const at::Tensor& t) {
+      if (!t.defined()) return t;
+      TORCH_CHECK_NOT_IMPLEMENTED(!Compressed(t), "torch_tpu: ", schema.name(), " returns a ", t.layout(),
+                                  " tensor: sparse compressed layouts (CSR/CSC/BSR/BSC) have no tpu kernels");
+      return t.to(device);
+    };
     if (v.isTensor()) {
-      const at::Tensor& t = v.toTensor();
-      if (t.defined()) v = t.to(*device);
+      v = to_device(v.toTensor());
     } else if (v.isTensorList()) {
       c10::List<at::Tensor> list;
-      for (const at::Tensor& t : v.toTensorList()) list.push_back(t.defined() ? t.to(*device) : t);
+      for (const at::Tensor& t : v.toTensorList()) list.push_back(to_device(t));
       v = list;
     }
   }

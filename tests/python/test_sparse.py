@@ -265,3 +265,57 @@ def test_mixing_a_cpu_tensor_raises_like_cuda():
         s.mul(torch.ones(2, 2))
     r = s.mul(torch.tensor(3.0))
     assert r.device.type == "tpu" and torch.equal(r.to_dense().cpu(), torch.tensor([[0., 3.], [6., 0.]]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_in_place_ops_keep_cpus_aliasing(mode):
+    """Where CPU's kernel writes a sparse tensor's values in place (div_ by a
+    scalar, neg_, sqrt_), an earlier _values() alias and the dense tensor
+    the sparse tensor was built from see the change, on tpu too; where it
+    puts in new values (add_, mul_), they do not (found by review: the
+    write-back swapped in new tensors for every op)."""
+    i = torch.tensor([[0, 1, 0, 2], [1, 2, 1, 0]])
+    v = torch.tensor([1., 2., 3., 4.])
+    with torch_tpu.eager_mode(mode):
+        for name, f in (("div_", lambda s: s.div_(2)), ("neg_", lambda s: s.neg_()),
+                        ("sqrt_", lambda s: s.sqrt_()), ("add_", lambda s: s.add_(s)),
+                        ("mul_", lambda s: s.mul_(3))):
+            got = {}
+            for dev in ("cpu", "tpu"):
+                s = torch.sparse_coo_tensor(i, v, (3, 3)).coalesce().to(dev)
+                alias = s._values()
+                f(s)
+                alias_after = alias.cpu().clone()
+                alias.add_(100)  # a write through the old alias reaches s where it still aliases
+                got[dev] = (alias_after, s.to_dense().cpu(), s.is_coalesced())
+            assert torch.equal(got["tpu"][0], got["cpu"][0]), name
+            assert torch.equal(got["tpu"][1], got["cpu"][1]), name
+            assert got["tpu"][2] == got["cpu"][2], name
+        for dev in ("cpu", "tpu"):
+            x = torch.tensor([1., 4., 9.], device=dev)
+            torch.sparse_coo_tensor(torch.tensor([[0, 1, 2]], device=dev), x, (3,)).neg_()
+            assert torch.equal(x.cpu(), torch.tensor([-1., -4., -9.])), dev
+
+
+def test_a_tensor_passed_twice_stays_one_tensor_on_the_cpu():
+    """smm calls sspaddmm_out(result, result, ...): self and out= are one
+    tensor, and CPU's kernel relies on it (found by review: two CPU copies
+    raised "Expected dim 0 size 3, got 0")."""
+    i = torch.tensor([[0, 1, 0, 2], [1, 2, 1, 0]])
+    s = torch.sparse_coo_tensor(i, torch.tensor([1., 2., 3., 4.]), (3, 3))
+    d = torch.arange(9.).reshape(3, 3)
+    exp = torch.smm(s, d)
+    got = torch.smm(s.to("tpu"), d.to("tpu"))
+    assert got.device.type == "tpu" and got.layout == exp.layout
+    assert torch.equal(got.to_dense().cpu(), exp.to_dense())
+    c = s.coalesce()
+    ct = c.to("tpu")
+    torch._foreach_mul_([c], 2.0)
+    torch._foreach_mul_([ct], 2.0)
+    assert ct.is_coalesced() == c.is_coalesced() and torch.equal(ct.to_dense().cpu(), c.to_dense())
+
+
+def test_compressed_results_raise_instead_of_unusable_tensors():
+    s = torch.tensor([[0., 1.], [2., 0.]]).to_sparse().to("tpu")
+    with pytest.raises(NotImplementedError, match="compressed layouts"):
+        s.to_sparse_csr()
