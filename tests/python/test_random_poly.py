@@ -103,7 +103,7 @@ def _check(cases, shapes, use_generator=False):
             assert on[key]["values"][i] == off[key]["values"][i], (key, shape, "values differ")
             assert on[key]["states"][i] == off[key]["states"][i], (key, shape, "generator state differs")
         assert off[key]["compiles"] == len(set(shapes)), (key, off[key]["compiles"])
-        if key.split(":")[0] in ("normal_", "exponential_"):  # exact programs (random.cpp: log of the draws)
+        if key.split(":")[0] == "exponential_":  # exact programs (random.cpp: log1p's rounding depends on the length)
             assert on[key]["compiles"] == off[key]["compiles"], key
         else:
             assert on[key]["compiles"] <= bound, (key, on[key]["compiles"], bound)
@@ -208,7 +208,8 @@ for dtype in DTYPES:
                                                          else v.tolist())
         out.setdefault(dtype + ":state", []).append(torch.tpu.get_rng_state().tolist())
     c = torch_tpu.metrics()["compiles_by_op"]
-    for op in ("aten::native_dropout", "aten::bernoulli.p"):  # normal: exact programs (log/cos/sin, random.cpp)
+    # normal with a tensor std is value-checked: exact programs.
+    for op in ("aten::native_dropout", "aten::bernoulli.p", "aten::normal.Tensor_float"):
         out[dtype + ":compiles:" + op] = c.get(op, {}).get("compiles", 0) - c0.get(op, {}).get("compiles", 0)
 print("RESULT " + json.dumps(out))
 """
