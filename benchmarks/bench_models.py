@@ -323,7 +323,7 @@ def main():
     p.add_argument("--only", default="b,c,d,e", help="which benchmarks: b,c,d,e")
     p.add_argument("--finetune-iters", type=int, default=3, help="timed calls of (e) (seconds each on CPU)")
     p.add_argument("--rounds", type=int, default=0,
-                   help="(b), (e): time the configurations interleaved, this many rounds of --iters "
+                   help="(b), (c), (e): time the configurations interleaved, this many rounds of --iters "
                         "(--finetune-iters) calls each")
     p.add_argument("--d-rounds", type=int, default=1,
                    help="(d): rounds of an empty then a warm process per cache variant, interleaved")
@@ -348,8 +348,12 @@ def main():
         g = torch.Generator().manual_seed(0)
         batch = {"input_ids": torch.randint(1000, 2000, (8, 128), generator=g),
                  "attention_mask": torch.ones(8, 128, dtype=torch.long)}
-        measure("(c) all-MiniLM-L6-v2 encoder forward, batch 8 x 128 tokens",
-                lambda config: encoder_factory(config, model_cpu, batch), args, args.iters)
+        name = "(c) all-MiniLM-L6-v2 encoder forward, batch 8 x 128 tokens"
+        factory = lambda config: encoder_factory(config, model_cpu, batch)  # noqa: E731
+        if args.rounds:
+            measure_interleaved(name, factory, args, args.iters, args.rounds, args.warmup)
+        else:
+            measure(name, factory, args, args.iters)
     if "e" in only:
         _, model_cpu = _minilm.load(_minilm.model_dir())
         g = torch.Generator().manual_seed(0)

@@ -6,7 +6,7 @@ Dynamo traces the symbolic graph once and AOTAutograd turns it into one
 symbolic ATen inference graph (its guards decide which calls reach it).
 ``Bucketed`` serves that graph at every size: at a call, each size symbol
 ``s`` with real value ``n`` maps to its bucket ``B = bucket(n)`` (the next
-power of two, at least ``TORCH_TPU_DYNAMIC_MIN_BUCKET`` = 8, up to
+power of two, at least ``TORCH_TPU_DYNAMIC_MIN_BUCKET`` = 16, up to
 ``TORCH_TPU_DYNAMIC_MAX_BUCKET`` = 65536; larger sizes compile exactly);
 the graph is specialized at the bucket sizes, with ``n`` as a runtime input
 (a 0-d int64 tensor per symbol), and compiled once per bucket through
@@ -46,7 +46,8 @@ Only inference graphs are bucketed (``torch.no_grad``, ``inference_mode``
 or parameters without grad); a training graph's forward and backward are
 ``Bucketed`` per exact shape (``compile_symbolic``: AOTAutograd inside
 Dynamo's tracing context, so Python float inputs trace). Memory: each padded dim is less than
-2x its real size (the attention scores of a padded sequence less than 4x).
+2x its real size above 16 and 16 below (the attention scores of a padded
+sequence less than 4x, 256 elements per head below 16).
 ``TORCH_TPU_DYNAMIC=0`` turns bucketing off (per-shape specialization).
 
 Bucket statistics: ``stats`` (``bucket_programs``, ``exact_programs``,
@@ -96,10 +97,10 @@ def _env_int(name: str, default: int) -> int:
 
 def bucket(n: int) -> int:
     """The bucket of a size ``n``: the next power of two >= max(n,
-    TORCH_TPU_DYNAMIC_MIN_BUCKET (8)); ``n`` itself above
+    TORCH_TPU_DYNAMIC_MIN_BUCKET (16)); ``n`` itself above
     TORCH_TPU_DYNAMIC_MAX_BUCKET (65536), where padding would cost too much
     memory (such sizes compile per shape)."""
-    low = _env_int("TORCH_TPU_DYNAMIC_MIN_BUCKET", 8)
+    low = _env_int("TORCH_TPU_DYNAMIC_MIN_BUCKET", 16)
     high = _env_int("TORCH_TPU_DYNAMIC_MAX_BUCKET", 65536)
     if n > high:
         return n
