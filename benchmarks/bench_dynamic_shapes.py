@@ -9,8 +9,9 @@ thread, launched back to back by this script.
 (a)/(b): a 2-layer Llama-style model (hidden 64, 4 heads, 2 KV heads,
 vocab 256, seeded random weights), 24-token greedy generate() from an
 8-token prompt: the first call (compiles included) against the same call
-again (warm) and against CPU; then a prompt 4 tokens longer (b); the
-tokens are compared with CPU's.
+warm (the third: host-first serving defers a key's compile to its second
+sight, so the second call, listed too, queues those) and against CPU;
+then a prompt 4 tokens longer (b); the tokens are compared with CPU's.
 
 (c): 20 sequence lengths of a small transformer block forward in CPU eager,
 tpu strict, tpu fused, torch.compile(backend="tpu", dynamic=True); the
@@ -164,11 +165,17 @@ def _child_generate(config: str) -> dict:
 
     first, first_c, tokens = call(prompts[0])
     if metrics:
-        metrics()  # waits for the compiles the first call queued: the warm call runs programs
+        metrics()  # waits for the compiles the first call queued
+    # With host-first serving a key seen once in the first call compiles at
+    # its second sight, so the second call pays (in the background) what
+    # the first deferred; the warm call is the third, once those are done.
+    second, second_c, _ = call(prompts[0])
+    if metrics:
+        metrics()
     warm, _, _ = call(prompts[0])
     longer, longer_c, tokens_longer = call(prompts[1])
-    return {"first_s": first, "first_compiles": first_c, "warm_s": warm, "longer_s": longer,
-            "longer_compiles": longer_c, "tokens": [tokens, tokens_longer]}
+    return {"first_s": first, "first_compiles": first_c, "second_s": second, "second_compiles": second_c,
+            "warm_s": warm, "longer_s": longer, "longer_compiles": longer_c, "tokens": [tokens, tokens_longer]}
 
 
 OFFSET_COLUMNS = 512
@@ -260,13 +267,14 @@ def _generate_table(rows=GENERATE_ROWS) -> None:
     print("(a)/(b) 24-token greedy generate(), 2-layer Llama hidden 64, prompt 8 then 12 tokens; "
           "fresh process and empty cache per row")
     print()
-    print("| configuration | first call (s) | compiles | warm call (s) | first/warm | first/CPU | "
-          "prompt +4 (s) | compiles | +4/warm | tokens = CPU |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| configuration | first call (s) | compiles | second call (s) | compiles | warm call (s) | first/warm | "
+          "second/warm | first/CPU | prompt +4 (s) | compiles | +4/warm | tokens = CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for config, r in results.items():
         same = "yes" if r["tokens"] == cpu["tokens"] else "NO"
         print(f"| {'CPU eager' if config == 'cpu' else 'tpu ' + config} | {r['first_s']:.2f} | "
-              f"{r['first_compiles']} | {r['warm_s']:.3f} | {r['first_s'] / r['warm_s']:.1f}x | "
+              f"{r['first_compiles']} | {r['second_s']:.3f} | {r['second_compiles']} | {r['warm_s']:.3f} | "
+              f"{r['first_s'] / r['warm_s']:.1f}x | {r['second_s'] / r['warm_s']:.1f}x | "
               f"{r['first_s'] / cpu['first_s']:.1f}x | {r['longer_s']:.2f} | {r['longer_compiles']} | "
               f"{r['longer_s'] / r['warm_s']:.1f}x | {same} |")
     print()

@@ -171,7 +171,10 @@ void BindGraphProgram(py::module& m) {
           py::arg("values"))
       .def("donate_input", &GraphProgram::DonateInput, py::arg("input"), py::arg("output"),
            "Output `output` (the new value of input `input`) may reuse the input's buffer")
-      .def("compile", &GraphProgram::Compile)
+      // Without the GIL: the compile cache's warm start loads a saved graph's
+      // executable on a worker thread while Dynamo builds its guards
+      // (torch_tpu/_precompile.py, TpuOutputCode).
+      .def("compile", &GraphProgram::Compile, py::call_guard<py::gil_scoped_release>())
       // Without the GIL, as PyTorch's own op bindings: the launch waits for
       // the device (PJRT's Execute, donated buffers) and other Python threads
       // (vLLM's engine-core socket threads) run meanwhile.

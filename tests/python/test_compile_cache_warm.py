@@ -79,6 +79,10 @@ SCRIPT = textwrap.dedent('''
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled = torch.compile(model.to("tpu"), backend="tpu")  # loads a saved entry
+        from torch_tpu import _precompile
+        if _precompile._prefetcher is not None:  # the executable loads started at the load, finished
+            _precompile._prefetcher.submit(lambda: None).result()
+        result["loaded_before_first_call"] = torch_tpu.metrics().get("disk_cache_hits", 0)
         for shape in shapes:
             x = torch.randn(*shape)
             with torch.no_grad():
@@ -128,9 +132,13 @@ def test_warm_process_skips_tracing_and_matches_cpu(tmp_path, cache):
     assert cold["traced"] >= 1
     assert cold["max_err"] <= 1e-4
     assert len(_entries(cache)) == 1
+    assert cold["loaded_before_first_call"] == 0, cold
     warm = _run(tmp_path, [[4, 16]], cache)
     assert warm["traced"] == 0, warm  # loaded, not traced again
     assert warm["xla_compiles"] == 0, warm  # every executable from the executable cache
+    # the saved program's executable was loaded inside torch.compile() (on
+    # the prefetch thread, while Dynamo built the guards), not at the call
+    assert warm["loaded_before_first_call"] == 1, warm
     assert warm["max_err"] <= 1e-4
     assert warm["warnings"] == []
 

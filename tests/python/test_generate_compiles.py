@@ -57,8 +57,11 @@ print(json.dumps(out))
 # every recorded key compiled at recording).
 # Measured (empty cache, load ~10): strict 275 / 99 / 1 / 64 and 276 / 98 / 1 / 63 (the third
 # call's one is a tpu::resize_buffer: which buffer sizes a call receives depends on whether the
-# calls before it were host-served or ran programs); fused 279 / 84 / 0 / 84.
-BOUNDS = {"strict": (290, 110, 2, 72), "fused": (295, 95, 2, 95)}
+# calls before it were host-served or ran programs); fused 279 / 84 / 0 / 84. Session 16 (resize
+# programs compile in the background, their resizes host-served meanwhile, so the second call no
+# longer stalls 3.7 s on them and runs more of its calls host-served): strict 271 / 102 / 3 / 63,
+# the third call's 3 are tpu::resize_buffer keys first met when every call ran a program.
+BOUNDS = {"strict": (290, 110, 4, 72), "fused": (295, 95, 4, 95)}
 
 
 @pytest.mark.full_tier
