@@ -1085,10 +1085,11 @@ def _output_code_class():
         def __call__(self, inputs):
             if self._fn is None:
                 prefetched, self._prefetch = self._prefetch, None
-                if prefetched is not None and prefetched[0].device.index == torch.tpu.current_device():
-                    program, done = prefetched
+                if (prefetched is not None and prefetched[2] == os.getpid() and
+                        prefetched[0].device.index == torch.tpu.current_device()):
+                    program, done, _ = prefetched
                     done.result()  # the compile's error, as program.compile() raises it
-                else:  # (prefetched for another current device: rebuilt for this one)
+                else:  # (prefetched for another current device, or before a fork: rebuilt here)
                     c = self._content
                     program = _Program.from_recipe(f"cached_{c['name']}", c["recipe"], c["input_devices"],
                                                    c["output_plan"])
@@ -1141,6 +1142,17 @@ def _output_code_class():
 _prefetcher = None  # concurrent.futures.ThreadPoolExecutor, one worker, made at first use
 
 
+def _forget_prefetcher() -> None:
+    # A forked child has no worker thread: its copy of the executor would
+    # queue work nothing runs (a prefetch made before the fork is ignored
+    # there: it carries the parent's pid).
+    global _prefetcher
+    _prefetcher = None
+
+
+os.register_at_fork(after_in_child=_forget_prefetcher)
+
+
 def _prefetch(content: dict):
     """Starts loading a saved program's executable (the executable cache;
     an XLA compile where it is not there) on a worker thread, for its first
@@ -1148,8 +1160,8 @@ def _prefetch(content: dict):
     unpickled inside ``torch.compile()``, and ``GraphProgram.compile``
     releases the GIL, so the load overlaps Dynamo's guard build that
     follows (the encoder's warm start: ~0.1 s of executable load hidden
-    behind ~0.3 s of guards). Returns (program, future), or None where the
-    recipe does not replay: the first call rebuilds it and raises there.
+    behind ~0.3 s of guards). Returns (program, future, pid), or None where
+    the recipe does not replay: the first call rebuilds it and raises there.
     An entry that is then not installed (a failed identity check) only
     wasted the load."""
     global _prefetcher
@@ -1162,7 +1174,7 @@ def _prefetch(content: dict):
         from concurrent.futures import ThreadPoolExecutor
 
         _prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_tpu_prefetch")
-    return program, _prefetcher.submit(program.compile)
+    return program, _prefetcher.submit(program.compile), os.getpid()
 
 
 def _is_tpu_entry(artifact) -> bool:
