@@ -310,7 +310,12 @@ def _make_store():
                 return None
             try:
                 with open(path, "rb") as f:
-                    content = _decode(f.read())
+                    data = f.read()
+                _loading.prefetch = True  # TpuOutputCode.__setstate__ starts its executable's load
+                try:
+                    content = _decode(data)
+                finally:
+                    _loading.prefetch = False
                 if not (isinstance(content, tuple) and len(content) == 2):
                     raise ValueError(f"unexpected content {type(content).__name__}")
                 entry, identities = content
@@ -356,7 +361,8 @@ def _resolve_wrapped(module: str, qualname: str, depth: int):
 # and dict versions cannot be checked against a pickled scope.
 _PRECOMPILE_DROPPED = ("ID_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE", "DICT_VERSION")
 _PRECOMPILE_DROPPED_DERIVED = ("ID_MATCH", "DICT_VERSION")
-_loading = threading.local()  # .unfiltered: the next CheckFunctionManager builds the saved guards once
+_loading = threading.local()  # .unfiltered: the next CheckFunctionManager builds the saved guards once;
+# .prefetch: a store entry is being unpickled (TpuOutputCode prefetches its executable)
 
 
 def _resolve(module: str, qualname: str) -> list:
@@ -1132,7 +1138,10 @@ def _output_code_class():
             if not isinstance(content, dict) or content.get("format") != _PRECOMPILE_FORMAT:
                 raise RuntimeError("torch_tpu compile cache: unknown program format")
             self._content, self._fn, self._boxed_call = content, None, True
-            self._prefetch = _prefetch(content)
+            # Only when a later process loads the entry from the store: the
+            # saving process unpickles its own entries too (AOTAutograd's
+            # serializable copy), and those must not build a second program.
+            self._prefetch = _prefetch(content) if getattr(_loading, "prefetch", False) else None
 
     TpuOutputCode.__module__ = __name__
     TpuOutputCode.__qualname__ = TpuOutputCode.__name__ = "TpuOutputCode"
