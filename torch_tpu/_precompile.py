@@ -1096,9 +1096,7 @@ def _output_code_class():
                     program, done, _ = prefetched
                     done.result()  # the compile's error, as program.compile() raises it
                 else:  # (prefetched for another current device, or before a fork: rebuilt here)
-                    c = self._content
-                    program = _Program.from_recipe(f"cached_{c['name']}", c["recipe"], c["input_devices"],
-                                                   c["output_plan"])
+                    program = _rebuild(self._content)
                     program.compile()
                 stats["programs"] += 1
                 self._fn = program
@@ -1148,6 +1146,12 @@ def _output_code_class():
     return TpuOutputCode
 
 
+def _rebuild(content: dict) -> _Program:
+    """A saved graph's program rebuilt from its recipe (not compiled)."""
+    return _Program.from_recipe(f"cached_{content['name']}", content["recipe"], content["input_devices"],
+                                content["output_plan"])
+
+
 _prefetcher = None  # concurrent.futures.ThreadPoolExecutor, one worker, made at first use
 
 
@@ -1175,8 +1179,7 @@ def _prefetch(content: dict):
     wasted the load."""
     global _prefetcher
     try:
-        program = _Program.from_recipe(f"cached_{content['name']}", content["recipe"], content["input_devices"],
-                                       content["output_plan"])
+        program = _rebuild(content)
     except Exception:
         return None
     if _prefetcher is None:
