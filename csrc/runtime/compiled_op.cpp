@@ -16,6 +16,8 @@
 #include <deque>
 #include <map>
 #include <pthread.h>
+#include <sys/resource.h>
+#include <unistd.h>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -1691,9 +1693,17 @@ void FinishCompile(CompiledOp& compiled, const Deferred& d) {
                              std::chrono::duration<double>(std::chrono::steady_clock::now() - d.start).count());
 }
 
-// The background compile thread(s) of host-first calls: a FIFO queue, one
-// thread (TORCH_TPU_COMPILE_THREADS, default 1: this is a 2-core machine
-// and the PJRT CPU plugin compiles on the calling thread). Leaked: it must
+// The background compile thread(s) of host-first calls and fused-mode
+// regions: a FIFO queue, one thread (TORCH_TPU_COMPILE_THREADS, default 1:
+// this is a 2-core machine and the PJRT CPU plugin compiles on the calling
+// thread). The threads run at a lower priority (TORCH_TPU_COMPILE_NICE,
+// default 19, setpriority(2) on the thread's id; 0 keeps the caller's):
+// the calls made meanwhile (host-served, op by op) and the programs they
+// launch are what the user waits for, and on the XLA CPU plugin they share
+// the cores with the compile (generate() with a prompt of a new length, fused
+// mode: 0.67 -> 0.46 s, BENCHMARKS.md "New shapes"). A thread waiting for a
+// compile (metrics(), a region that must run) sleeps, so the compile then
+// has the core. Leaked: it must
 // outlive static destructors; AwaitBackgroundCompiles runs at exit and
 // before fork() (a child has no worker thread: a compile queued in the
 // parent would never finish there).
@@ -1723,10 +1733,15 @@ class CompileWorker {
       std::atexit([] { CompileWorker::Get().AwaitAll(); });
       pthread_atfork([] { CompileWorker::Get().AwaitAll(); }, nullptr, nullptr);
     });
-    for (int i = 0; i < n; ++i) std::thread([this] { Loop(); }).detach();
+    // Read here, on the calling thread: a bad value is an error at the call.
+    const int nice = static_cast<int>(EnvInteger("TORCH_TPU_COMPILE_NICE", 19, 0, 19, "an integer in [0, 19]"));
+    for (int i = 0; i < n; ++i) std::thread([this, nice] { Loop(nice); }).detach();
     threads_ = n;
   }
-  void Loop() {
+  void Loop(int nice) {
+    // Best effort: a thread's niceness is per thread on Linux (its id names
+    // it); a failure (a sandbox without the permission) leaves it as is.
+    if (nice > 0) (void)setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), nice);
     for (;;) {
       std::function<void()> task;
       {

@@ -531,3 +531,45 @@ print("RESULT " + json.dumps(res))
     assert res["resized"]["shape"] == [4, 5] and res["resized"]["exact"], res
     assert res["resized"]["served"] == 0 and res["resized"]["executions"] == 1, res
     assert res["bce"]["declined"] == 1 and res["bce"]["err"] <= 1e-5, res
+
+
+# The background compile thread runs at TORCH_TPU_COMPILE_NICE (default 19):
+# read from /proc, each thread's nice value (stat field 19) while a compile
+# of a host-first call is queued or running, and after it finished (the
+# thread stays). The XLA threads it starts inherit it; the calling thread
+# keeps its own.
+NICE = r"""
+import os
+def nices():
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out[int(tid)] = int(fields[16])  # field 19 of stat(5); fields[0] is field 3
+    return out
+before = nices()
+X = torch.randn(5, 7).to("tpu")
+for _ in range(2):  # the second call queues the compile
+    (X * 2 + 1).cpu()
+torch_tpu.metrics()  # waits for it: the thread has run
+after = nices()
+out["main"] = after[os.getpid()]
+out["new"] = sorted(v for t, v in after.items() if t not in before)
+"""
+
+
+@pytest.mark.parametrize("env,want", [({}, 19), ({"TORCH_TPU_COMPILE_NICE": "0"}, 0),
+                                      ({"TORCH_TPU_COMPILE_NICE": "7"}, 7)])
+def test_compile_thread_niceness(env, want):
+    r = run_python(PRELUDE + NICE + "print(json.dumps(out))\n", env={"TORCH_TPU_CACHE_DIR": "", **env}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["main"] == 0, out
+    assert want in out["new"], out  # the compile thread
+    assert all(v in (0, want) for v in out["new"]), out
+
+
+def test_compile_niceness_bad_value_is_named():
+    r = run_python(PRELUDE + NICE, env={"TORCH_TPU_CACHE_DIR": "", "TORCH_TPU_COMPILE_NICE": "20"}, timeout=120)
+    assert r.returncode != 0
+    assert "TORCH_TPU_COMPILE_NICE" in r.stderr
