@@ -393,3 +393,56 @@ print(json.dumps({"after_two": m["compiles"] - snap[1], "total": m["compiles"],
     counts = __import__("json").loads(r.stdout.strip().splitlines()[-1])
     assert counts["after_two"] <= 4, counts
     assert counts["single_op"] == 0, counts
+
+
+def test_hot_key_of_a_size_changing_loop_compiles_in_the_background():
+    """A loop whose iterations repeat one structure at a new size each (as
+    generate()'s decoding steps do, one KV length per step; a sync every
+    iteration) is a confirmed loop, but its regions do not recur at the next
+    iteration: a key of a structure compiled for other sizes already, once
+    hot (its 4th op-by-op run), compiles in the background and runs op by
+    op that pass (not compiled on the calling thread, which stalled
+    generate()'s 4th call for ~1.6 s); after metrics() (which waits for
+    background compiles) every size runs as one program. A structure's
+    first key in a confirmed loop still compiles at once. Values equal CPU
+    at every pass. Fresh process, disk cache off."""
+    code = r"""
+import json, torch, torch_tpu
+torch.manual_seed(0)
+sizes = [5, 6, 7, 9, 10, 11]
+w = torch.randn(8, 8)
+xs = [torch.randn(n, 8) for n in sizes]
+def body(x, w):
+    for _ in range(12):
+        x = torch.tanh(x @ w) * 0.5 + x
+    return x
+def counts():
+    m = torch_tpu.metrics()
+    return m["fused_regions"], m["fused_regions_op_by_op"], m["compiles"]
+passes, err = [], 0.0
+with torch_tpu.eager_mode("fused"):
+    W = w.to("tpu"); XS = [x.to("tpu") for x in xs]
+    torch_tpu.metrics()
+    for p in range(7):
+        c0 = counts()
+        outs = []
+        for X in XS:
+            y = body(X, W)
+            y.sum().item()
+            outs.append(y)
+        c1 = counts()
+        passes.append([b - a for a, b in zip(c0, c1)])
+        for o, x in zip(outs, xs):
+            err = max(err, (o.cpu() - body(x, w)).abs().max().item())
+print(json.dumps({"passes": passes, "err": err}))
+"""
+    r = run_python(code, env={"TORCH_TPU_CACHE_DIR": ""}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = __import__("json").loads(r.stdout.strip().splitlines()[-1])
+    p = out["passes"]
+    assert out["err"] <= 1e-5, out
+    # fused regions, op-by-op regions, compiles per pass of the 6 sizes
+    assert p[0][:2] == [0, 6], p  # all new
+    assert p[2] == [2, 4, 0] and p[4] == [2, 4, 0], p  # 2 sizes compiled, 4 churn op by op
+    assert p[5] == [2, 4, 4], p  # the 4 now hot: compiles queued, run op by op meanwhile
+    assert p[6] == [6, 0, 0], p  # all one program each
