@@ -80,6 +80,7 @@ py::dict Metrics() {
   d["disk_cache_writes"] = disk.writes.load();
   d["disk_cache_errors"] = disk.errors.load();
   d["disk_cache_evictions"] = disk.evictions.load();
+  d["disk_cache_scans"] = disk.scans.load();
   return d;
 }
 

@@ -123,9 +123,9 @@ std::unique_ptr<pjrt::Executable> DiskCache::LoadOrCompile(pjrt::Client& client,
   stats_.misses++;
   auto exe = client.Compile(module_text, options);
   try {
-    Store(path, key, exe->Serialize());
+    const int64_t bytes = Store(path, key, exe->Serialize());
     stats_.writes++;
-    Evict();
+    Account(bytes);
   } catch (const std::exception& e) {
     stats_.errors++;
     TORCH_WARN_ONCE("torch_tpu: cannot write the executable cache in ", directory_, ": ", e.what());
@@ -174,7 +174,7 @@ std::unique_ptr<pjrt::Executable> DiskCache::Load(pjrt::Client& client, const st
   return nullptr;
 }
 
-void DiskCache::Store(const std::string& path, const std::string& key, const std::string& payload) {
+int64_t DiskCache::Store(const std::string& path, const std::string& key, const std::string& payload) {
   fs::create_directories(directory_);
   std::string data(kMagic);
   PutU64(data, key.size());
@@ -200,6 +200,15 @@ void DiskCache::Store(const std::string& path, const std::string& key, const std
     fs::remove(tmp, ec);
     throw std::runtime_error("rename to " + path + " failed: " + ec.message());
   }
+  return static_cast<int64_t>(data.size());
+}
+
+void DiskCache::Account(int64_t bytes) {
+  if (known_bytes_ >= 0 && ++writes_since_scan_ < kRescanWrites && known_bytes_ + bytes <= max_bytes_) {
+    known_bytes_ += bytes;
+    return;
+  }
+  Evict();
 }
 
 void DiskCache::Evict() {
@@ -208,6 +217,8 @@ void DiskCache::Evict() {
     fs::file_time_type time;
     int64_t size;
   };
+  stats_.scans++;
+  writes_since_scan_ = 0;
   std::vector<Entry> entries;
   int64_t total = 0;
   std::error_code ec;
@@ -220,6 +231,7 @@ void DiskCache::Evict() {
     entries.push_back({de.path(), time, size});
     total += size;
   }
+  known_bytes_ = total;
   if (total <= max_bytes_) return;
   std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.time < b.time; });
   for (const auto& e : entries) {
@@ -230,6 +242,7 @@ void DiskCache::Evict() {
       stats_.evictions++;
     }
   }
+  known_bytes_ = total;
 }
 
 }  // namespace torch_tpu::runtime

@@ -93,6 +93,37 @@ def test_size_bound_evicts(tmp_path):
     assert len(_entries(tmp_path)) <= 1
 
 
+# The size bound lists the directory (a stat per entry) at a process's first
+# write, then only when its writes pass the bound: with room, many writes
+# cost one listing; with the bound tight, each write past it lists and
+# evicts, so the directory is back under the bound after the process.
+SCANS = """
+import json, torch, torch_tpu
+torch_tpu.set_eager_mode("debug")  # every new program compiles (and is written) at once
+for n in range(3, 15):
+    (torch.arange(float(n), device="tpu") * 2.5).cpu()
+m = torch_tpu.metrics()
+print(json.dumps({k: m["disk_cache_" + k] for k in ("writes", "scans", "evictions")}))
+"""
+
+
+@pytest.mark.parametrize("bound", [None, 60000])
+def test_size_bound_lists_the_directory_when_due(tmp_path, bound):
+    env = {"TORCH_TPU_CACHE_DIR": str(tmp_path)}
+    if bound:
+        env["TORCH_TPU_CACHE_MAX_BYTES"] = str(bound)
+    r = run_python(SCANS, env=env)
+    assert r.returncode == 0, r.stderr
+    out = __import__("json").loads(r.stdout.strip().splitlines()[-1])
+    total = sum(os.path.getsize(tmp_path / e) for e in _entries(tmp_path))
+    assert out["writes"] >= 10, out  # arange at 12 sizes, mul until its bucket programs serve it
+    if bound is None:
+        assert out["scans"] == 1 and out["evictions"] == 0, out
+    else:
+        assert 1 < out["scans"] <= out["writes"] and out["evictions"] > 0, out
+        assert total <= bound, (total, out)
+
+
 def test_empty_dir_disables(tmp_path):
     r = run_python(PROGRAM, env={"TORCH_TPU_CACHE_DIR": ""})
     assert r.returncode == 0, r.stderr
