@@ -1701,7 +1701,7 @@ void FinishCompile(CompiledOp& compiled, const Deferred& d) {
 // the calls made meanwhile (host-served, op by op) and the programs they
 // launch are what the user waits for, and on the XLA CPU plugin they share
 // the cores with the compile (generate() with a prompt of a new length, fused
-// mode: 0.67 -> 0.46 s, BENCHMARKS.md "New shapes"). A thread waiting for a
+// mode: 0.48-0.70 -> 0.42-0.52 s, BENCHMARKS.md "New shapes"). A thread waiting for a
 // compile (metrics(), a region that must run) sleeps, so the compile then
 // has the core. Leaked: it must
 // outlive static destructors; AwaitBackgroundCompiles runs at exit and
