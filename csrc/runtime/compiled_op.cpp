@@ -1696,14 +1696,17 @@ void FinishCompile(CompiledOp& compiled, const Deferred& d) {
 // The background compile thread(s) of host-first calls and fused-mode
 // regions: a FIFO queue, one thread (TORCH_TPU_COMPILE_THREADS, default 1:
 // this is a 2-core machine and the PJRT CPU plugin compiles on the calling
-// thread). The threads run at a lower priority (TORCH_TPU_COMPILE_NICE,
-// default 19, setpriority(2) on the thread's id; 0 keeps the caller's):
+// thread). TORCH_TPU_COMPILE_NICE=N (1-19; default 0: the caller's
+// priority) runs them at niceness N (setpriority(2) on the thread's id):
 // the calls made meanwhile (host-served, op by op) and the programs they
-// launch are what the user waits for, and on the XLA CPU plugin they share
-// the cores with the compile (generate() with a prompt of a new length, fused
-// mode: 0.48-0.70 -> 0.42-0.52 s, BENCHMARKS.md "New shapes"). A thread waiting for a
-// compile (metrics(), a region that must run) sleeps, so the compile then
-// has the core. Leaked: it must
+// launch then keep the cores on the XLA CPU plugin (generate() with a
+// prompt of a new length, fused mode, idle 2-core machine: 0.48-0.70 ->
+// 0.42-0.52 s at 19, BENCHMARKS.md "New shapes"). Not the default: a thread
+// that waits for a background compile (a synchronous compile behind
+// DiskCache's compile mutex, metrics(), exit, fork) cannot raise the
+// compile's priority back without privilege, so on a machine loaded by
+// other processes a niceness-19 compile gets ~1.5% of a core and the
+// waiter stalls with it (priority inversion). Leaked: it must
 // outlive static destructors; AwaitBackgroundCompiles runs at exit and
 // before fork() (a child has no worker thread: a compile queued in the
 // parent would never finish there).
@@ -1734,7 +1737,7 @@ class CompileWorker {
       pthread_atfork([] { CompileWorker::Get().AwaitAll(); }, nullptr, nullptr);
     });
     // Read here, on the calling thread: a bad value is an error at the call.
-    const int nice = static_cast<int>(EnvInteger("TORCH_TPU_COMPILE_NICE", 19, 0, 19, "an integer in [0, 19]"));
+    const int nice = static_cast<int>(EnvInteger("TORCH_TPU_COMPILE_NICE", 0, 0, 19, "an integer in [0, 19]"));
     for (int i = 0; i < n; ++i) std::thread([this, nice] { Loop(nice); }).detach();
     threads_ = n;
   }

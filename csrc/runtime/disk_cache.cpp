@@ -233,9 +233,12 @@ void DiskCache::Evict() {
   }
   known_bytes_ = total;
   if (total <= max_bytes_) return;
+  // Down to 90% of the bound, not to the bound: a full cache would list the
+  // directory again at the very next write.
+  const int64_t target = max_bytes_ - max_bytes_ / 10;
   std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.time < b.time; });
   for (const auto& e : entries) {
-    if (total <= max_bytes_) break;
+    if (total <= target) break;
     std::error_code e3;
     if (fs::remove(e.path, e3)) {
       total -= e.size;

@@ -14,9 +14,9 @@
 // writing the same entry both succeed (the last rename wins; both are valid).
 // A corrupt, truncated or mismatched entry is reported with a warning,
 // recompiled and replaced, never fatal. The directory is bounded in size
-// (TORCH_TPU_CACHE_MAX_BYTES, default 2 GiB): the least recently used
-// entries (by modification time, touched on every hit) are removed until the
-// total fits. Listing the directory costs a stat per entry (~0.4 s for 43k
+// (TORCH_TPU_CACHE_MAX_BYTES, default 2 GiB): past it, the least recently
+// used entries (by modification time, touched on every hit) are removed
+// until the total is at 90% of the bound. Listing the directory costs a stat per entry (~0.4 s for 43k
 // entries on this machine's disk), so it is not done after every write: a
 // process scans at its first write, then adds its own writes' sizes to that
 // total and scans again (evicting) when the total passes the bound or after
