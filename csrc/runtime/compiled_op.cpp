@@ -1727,6 +1727,10 @@ class CompileWorker {
     std::unique_lock<std::mutex> lock(mutex_);
     idle_.wait(lock, [&] { return outstanding_ == 0; });
   }
+  int64_t Outstanding() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return outstanding_;
+  }
 
  private:
   void Start() {
@@ -1950,6 +1954,8 @@ HostFirstDeferScope::~HostFirstDeferScope() { host_first_deferred = previous_; }
 void AwaitBackgroundCompiles() { CompileWorker::Get().AwaitAll(); }
 
 void SubmitBackgroundCompile(std::function<void()> task) { CompileWorker::Get().Submit(std::move(task)); }
+
+int64_t BackgroundCompilesOutstanding() { return CompileWorker::Get().Outstanding(); }
 
 bool InDiskCache(const std::string& module_text, bool single_op) {
   return DiskCache::Get().Has(Runtime::Get().client(), module_text, single_op ? SingleOpOptions() : PortableOptions());

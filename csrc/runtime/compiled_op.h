@@ -370,6 +370,10 @@ void AwaitBackgroundCompiles();
 // queued before it; AwaitBackgroundCompiles waits for it too). `task` must
 // not throw. Used by the fused executor for region programs.
 void SubmitBackgroundCompile(std::function<void()> task);
+// Background compiles queued or running now (any kind: host-first single
+// ops, regions). The fused executor compiles a churning structure's hot
+// keys only when this is 0 (fused_executor.cpp, Churning).
+int64_t BackgroundCompilesOutstanding();
 // Whether the on-disk cache holds `module_text` compiled as CompileModule
 // compiles it (`single_op` as there): a load is cheap, so callers load it
 // at once instead of compiling in the background.

@@ -231,6 +231,15 @@ constexpr size_t kMaxSignatures = size_t{1} << 16;  // last-seen map bound (clea
 // structure at a new KV length each, so each key recurs once per call; at 3
 // the third call compiled ~23 regions (27 s on 2 loaded cores) where
 // op by op costs ~nothing more once the single-op programs exist.
+// A hot key compiles only while no background compile is queued or
+// running (else it stays op by op and is compiled at a later sight): its
+// program is a bet on future recurrences, paid from the compile thread's
+// idle time. Without this the call in which a generate() prompt's ~20
+// decoding keys all turned hot built and hashed ~20 region programs on
+// the calling thread and queued ~25 s of compiles ahead of the single-op
+// compiles its own new shapes needed: a 12-token prompt after three calls
+// of an 8-token one (issue 12 (b)) took 2.2x the warm call (median of 5
+// runs), 1.3x with no hot keys compiled.
 constexpr int kMaxSizesPerStructure = 2;
 constexpr int kHotRecurrence = 4;
 constexpr size_t kMaxStructures = 4096;
@@ -736,7 +745,7 @@ class FusedExecutor {
   // of ops, modulo sizes) has already been compiled for
   // kMaxSizesPerStructure other keys, so it is run op by op instead of
   // compiling once more (a key recurring kHotRecurrence times is compiled
-  // after all). Counts the compile otherwise; `sizes_vary` is set when the
+  // after all, once no background compile is outstanding). Counts the compile otherwise; `sizes_vary` is set when the
   // structure had been compiled for another key before.
   bool Churning(bool* sizes_vary) {
     size_t structure = calls_.size();
@@ -751,7 +760,7 @@ class FusedExecutor {
     *sizes_vary = compiled > 0;
     if (compiled >= kMaxSizesPerStructure) {
       int& seen = op_by_op_keys_[RegionKeyHash()(key_)];
-      if (++seen < kHotRecurrence) return true;
+      if (++seen < kHotRecurrence || BackgroundCompilesOutstanding() > 0) return true;
     }
     ++compiled;
     return false;
