@@ -8,6 +8,7 @@
 #include <c10/util/hash.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <chrono>
@@ -1709,13 +1710,25 @@ void FinishCompile(CompiledOp& compiled, const Deferred& d) {
 // waiter stalls with it (priority inversion). Leaked: it must
 // outlive static destructors; AwaitBackgroundCompiles runs at exit and
 // before fork() (a child has no worker thread: a compile queued in the
-// parent would never finish there).
+// parent would never finish there). Its settings are read when it is
+// first asked for (Get(), a bad value a RuntimeError naming the variable,
+// raised again at each later Get()): every path that queues a compile
+// calls Get() before it marks anything as queued, so a bad value fails
+// each call that would queue one and leaves no op waiting for a compile
+// that never runs.
 class CompileWorker {
  public:
   static CompileWorker& Get() {
-    static CompileWorker* worker = new CompileWorker();
+    static CompileWorker* worker = [] {
+      auto* w = new CompileWorker();
+      existing_.store(w, std::memory_order_release);
+      return w;
+    }();
     return *worker;
   }
+  // The worker if Get() has made it, else nullptr (nothing was queued):
+  // waiting and counting need no settings.
+  static CompileWorker* Existing() { return existing_.load(std::memory_order_acquire); }
   void Submit(std::function<void()> task) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (threads_ == 0) Start();
@@ -1733,15 +1746,17 @@ class CompileWorker {
   }
 
  private:
+  CompileWorker()
+      : threads_wanted_(static_cast<int>(
+            EnvInteger("TORCH_TPU_COMPILE_THREADS", 1, 1, 64, "an integer in [1, 64]"))),
+        nice_(static_cast<int>(EnvInteger("TORCH_TPU_COMPILE_NICE", 0, 0, 19, "an integer in [0, 19]"))) {}
   void Start() {
-    const int n = static_cast<int>(EnvInteger("TORCH_TPU_COMPILE_THREADS", 1, 1, 64, "an integer in [1, 64]"));
+    const int n = threads_wanted_, nice = nice_;
     static std::once_flag hooks;
     std::call_once(hooks, [] {
       std::atexit([] { CompileWorker::Get().AwaitAll(); });
       pthread_atfork([] { CompileWorker::Get().AwaitAll(); }, nullptr, nullptr);
     });
-    // Read here, on the calling thread: a bad value is an error at the call.
-    const int nice = static_cast<int>(EnvInteger("TORCH_TPU_COMPILE_NICE", 0, 0, 19, "an integer in [0, 19]"));
     for (int i = 0; i < n; ++i) std::thread([this, nice] { Loop(nice); }).detach();
     threads_ = n;
   }
@@ -1767,11 +1782,15 @@ class CompileWorker {
   std::deque<std::function<void()>> queue_;
   int64_t outstanding_ = 0;  // queued or running
   int threads_ = 0;
+  const int threads_wanted_;  // TORCH_TPU_COMPILE_THREADS
+  const int nice_;            // TORCH_TPU_COMPILE_NICE
+  static inline std::atomic<CompileWorker*> existing_{nullptr};
 };
 
 // Gives compiled a PendingCompile whose `queue` (QueueCompile) counts the
 // compile and submits its PJRT compile to the background thread.
 void PrepareBackground(const std::shared_ptr<CompiledOp>& compiled, const Deferred& d) {
+  CompileWorker::Get();  // its settings: a bad value raises here, before the op is marked
   auto pending = std::make_shared<PendingCompile>();
   auto promise = std::make_shared<std::promise<void>>();
   pending->done = promise->get_future().share();
@@ -1951,11 +1970,18 @@ HostFirstDeferScope::HostFirstDeferScope(bool on) : previous_(host_first_deferre
 }
 HostFirstDeferScope::~HostFirstDeferScope() { host_first_deferred = previous_; }
 
-void AwaitBackgroundCompiles() { CompileWorker::Get().AwaitAll(); }
+void AwaitBackgroundCompiles() {
+  if (CompileWorker* w = CompileWorker::Existing()) w->AwaitAll();
+}
 
 void SubmitBackgroundCompile(std::function<void()> task) { CompileWorker::Get().Submit(std::move(task)); }
 
-int64_t BackgroundCompilesOutstanding() { return CompileWorker::Get().Outstanding(); }
+int64_t BackgroundCompilesOutstanding() {
+  CompileWorker* w = CompileWorker::Existing();
+  return w ? w->Outstanding() : 0;
+}
+
+void CheckBackgroundCompileSettings() { CompileWorker::Get(); }
 
 bool InDiskCache(const std::string& module_text, bool single_op) {
   return DiskCache::Get().Has(Runtime::Get().client(), module_text, single_op ? SingleOpOptions() : PortableOptions());
@@ -2300,6 +2326,7 @@ StorageBuffer ResizeStorageBuffer(const StorageBuffer& sb, int64_t numel, int de
     };
     if (HostFirstEnabled() && (sb.numel + numel) * element_size <= HostFirstMaxBytes() &&
         !InDiskCache(module, /*single_op=*/true)) {
+      CheckBackgroundCompileSettings();  // before the key is marked as compiling
       {
         std::lock_guard<std::mutex> lock(mutex);
         queued = !compiling.insert(key).second;

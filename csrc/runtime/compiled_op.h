@@ -374,6 +374,11 @@ void SubmitBackgroundCompile(std::function<void()> task);
 // ops, regions). The fused executor compiles a churning structure's hot
 // keys only when this is 0 (fused_executor.cpp, Churning).
 int64_t BackgroundCompilesOutstanding();
+// Reads the background compile thread's settings (TORCH_TPU_COMPILE_THREADS,
+// TORCH_TPU_COMPILE_NICE) if not yet read; throws a RuntimeError naming a
+// bad value. Callers that queue a compile call it before they mark
+// anything as queued.
+void CheckBackgroundCompileSettings();
 // Whether the on-disk cache holds `module_text` compiled as CompileModule
 // compiles it (`single_op` as there): a load is cheap, so callers load it
 // at once instead of compiling in the background.

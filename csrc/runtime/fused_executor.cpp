@@ -701,6 +701,7 @@ class FusedExecutor {
       // graphs) is one program at once.
       if (CurrentMode() == EagerMode::kFused && !deferred_ && (!loop_confirmed_ || sizes_vary) &&
           !InDiskCache(built->module_text)) {
+        CheckBackgroundCompileSettings();  // before the key is cached as compiling
         CompileInBackground(regions_.Insert(key_, built), name);
         RunOneByOne(alive, /*region_compiling=*/true);
         return;

@@ -569,7 +569,35 @@ def test_compile_thread_niceness(env, want):
     assert all(v in (0, want) for v in out["new"]), out
 
 
-def test_compile_niceness_bad_value_is_named():
-    r = run_python(PRELUDE + NICE, env={"TORCH_TPU_CACHE_DIR": "", "TORCH_TPU_COMPILE_NICE": "20"}, timeout=120)
-    assert r.returncode != 0
-    assert "TORCH_TPU_COMPILE_NICE" in r.stderr
+BAD_SETTING = r"""
+X = torch.randn(5, 7).to("tpu")
+errors = []
+for mode in ("strict", "fused"):
+    torch_tpu.set_eager_mode(mode)
+    for i in range(3):  # each call would queue a compile: each raises, none is left waiting
+        try:
+            (X * (i + 2) + 1).cpu()
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+torch_tpu.set_eager_mode("strict")
+out["errors"] = errors
+out["compiles"] = torch_tpu.metrics()["compiles"]  # returns: no compile is queued
+out["value_ok"] = torch.equal(X.cpu().clone(), X.cpu())
+"""
+
+
+@pytest.mark.parametrize("name,value", [("TORCH_TPU_COMPILE_NICE", "20"), ("TORCH_TPU_COMPILE_THREADS", "x")])
+def test_compile_worker_bad_setting_is_named(name, value):
+    """A bad TORCH_TPU_COMPILE_NICE / _THREADS is a RuntimeError naming it at
+    each call that would queue a background compile (a new key's first
+    call, strict and fused mode), read before the op or region is marked as
+    compiling: before, the first error left the op marked as queued, so
+    its next calls were host-served for good with no compile ever
+    running. metrics() (which waits for background compiles) returns."""
+    r = run_python(PRELUDE + BAD_SETTING + "print(json.dumps(out))\n",
+                   env={"TORCH_TPU_CACHE_DIR": "", name: value}, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(out["errors"]) == 6 and all(e is not None and name in e for e in out["errors"]), out
+    assert out["compiles"] == 0, out
