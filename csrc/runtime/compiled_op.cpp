@@ -1713,9 +1713,11 @@ void FinishCompile(CompiledOp& compiled, const Deferred& d) {
 // parent would never finish there). Its settings are read when it is
 // first asked for (Get(), a bad value a RuntimeError naming the variable,
 // raised again at each later Get()): every path that queues a compile
-// calls Get() before it marks anything as queued, so a bad value fails
-// each call that would queue one and leaves no op waiting for a compile
-// that never runs.
+// calls Get() just before it marks anything as queued (QueueCompile, the
+// resize-buffer path, a fused region's background compile), so a bad
+// value fails each call that would queue one — and only those: a program
+// on disk still loads — and leaves no op waiting for a compile that never
+// runs.
 class CompileWorker {
  public:
   static CompileWorker& Get() {
@@ -1729,20 +1731,18 @@ class CompileWorker {
   // The worker if Get() has made it, else nullptr (nothing was queued):
   // waiting and counting need no settings.
   static CompileWorker* Existing() { return existing_.load(std::memory_order_acquire); }
-  void Submit(std::function<void()> task) {
+  // `low`: run only when no other task is queued (a task already running
+  // is not preempted).
+  void Submit(std::function<void()> task, bool low = false) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (threads_ == 0) Start();
-    queue_.push_back(std::move(task));
+    (low ? low_queue_ : queue_).push_back(std::move(task));
     ++outstanding_;
     work_.notify_one();
   }
   void AwaitAll() {
     std::unique_lock<std::mutex> lock(mutex_);
     idle_.wait(lock, [&] { return outstanding_ == 0; });
-  }
-  int64_t Outstanding() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return outstanding_;
   }
 
  private:
@@ -1768,9 +1768,10 @@ class CompileWorker {
       std::function<void()> task;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        work_.wait(lock, [&] { return !queue_.empty(); });
-        task = std::move(queue_.front());
-        queue_.pop_front();
+        work_.wait(lock, [&] { return !queue_.empty() || !low_queue_.empty(); });
+        auto& from = queue_.empty() ? low_queue_ : queue_;
+        task = std::move(from.front());
+        from.pop_front();
       }
       task();  // never throws: errors go to the task's promise
       std::lock_guard<std::mutex> lock(mutex_);
@@ -1780,7 +1781,8 @@ class CompileWorker {
   std::mutex mutex_;
   std::condition_variable work_, idle_;
   std::deque<std::function<void()>> queue_;
-  int64_t outstanding_ = 0;  // queued or running
+  std::deque<std::function<void()>> low_queue_;  // run when queue_ is empty
+  int64_t outstanding_ = 0;  // queued (either queue) or running
   int threads_ = 0;
   const int threads_wanted_;  // TORCH_TPU_COMPILE_THREADS
   const int nice_;            // TORCH_TPU_COMPILE_NICE
@@ -1790,7 +1792,6 @@ class CompileWorker {
 // Gives compiled a PendingCompile whose `queue` (QueueCompile) counts the
 // compile and submits its PJRT compile to the background thread.
 void PrepareBackground(const std::shared_ptr<CompiledOp>& compiled, const Deferred& d) {
-  CompileWorker::Get();  // its settings: a bad value raises here, before the op is marked
   auto pending = std::make_shared<PendingCompile>();
   auto promise = std::make_shared<std::promise<void>>();
   pending->done = promise->get_future().share();
@@ -1819,6 +1820,7 @@ void PrepareBackground(const std::shared_ptr<CompiledOp>& compiled, const Deferr
 void QueueCompile(const std::shared_ptr<const CompiledOp>& compiled) {
   PendingCompile& p = *compiled->pending;
   if (p.queued) return;
+  CompileWorker::Get();  // its settings: a bad value raises here, before the op is marked queued
   p.queued = true;
   auto queue = std::move(p.queue);
   p.queue = nullptr;  // the task holds the CompiledOp; no cycle through `pending`
@@ -1974,11 +1976,8 @@ void AwaitBackgroundCompiles() {
   if (CompileWorker* w = CompileWorker::Existing()) w->AwaitAll();
 }
 
-void SubmitBackgroundCompile(std::function<void()> task) { CompileWorker::Get().Submit(std::move(task)); }
-
-int64_t BackgroundCompilesOutstanding() {
-  CompileWorker* w = CompileWorker::Existing();
-  return w ? w->Outstanding() : 0;
+void SubmitBackgroundCompile(std::function<void()> task, bool low_priority) {
+  CompileWorker::Get().Submit(std::move(task), low_priority);
 }
 
 void CheckBackgroundCompileSettings() { CompileWorker::Get(); }

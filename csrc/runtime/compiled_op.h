@@ -369,11 +369,10 @@ void AwaitBackgroundCompiles();
 // Runs `task` on the background compile thread (FIFO, after the compiles
 // queued before it; AwaitBackgroundCompiles waits for it too). `task` must
 // not throw. Used by the fused executor for region programs.
-void SubmitBackgroundCompile(std::function<void()> task);
-// Background compiles queued or running now (any kind: host-first single
-// ops, regions). The fused executor compiles a churning structure's hot
-// keys only when this is 0 (fused_executor.cpp, Churning).
-int64_t BackgroundCompilesOutstanding();
+// `low_priority`: runs only when no other task is queued (a churning
+// structure's hot keys: a bet on recurrences, which must not delay the
+// single-op compiles host-served calls are waiting for).
+void SubmitBackgroundCompile(std::function<void()> task, bool low_priority = false);
 // Reads the background compile thread's settings (TORCH_TPU_COMPILE_THREADS,
 // TORCH_TPU_COMPILE_NICE) if not yet read; throws a RuntimeError naming a
 // bad value. Callers that queue a compile call it before they mark

@@ -231,18 +231,22 @@ constexpr size_t kMaxSignatures = size_t{1} << 16;  // last-seen map bound (clea
 // structure at a new KV length each, so each key recurs once per call; at 3
 // the third call compiled ~23 regions (27 s on 2 loaded cores) where
 // op by op costs ~nothing more once the single-op programs exist.
-// A hot key compiles only while no background compile is queued or
-// running (else it stays op by op and is compiled at a later sight): its
-// program is a bet on future recurrences, paid from the compile thread's
-// idle time. Without this the call in which a generate() prompt's ~20
-// decoding keys all turned hot built and hashed ~20 region programs on
-// the calling thread and queued ~25 s of compiles ahead of the single-op
-// compiles its own new shapes needed: a 12-token prompt after three calls
-// of an 8-token one (issue 12 (b)) took 2.2x the warm call (median of 5
-// runs), 1.3x with no hot keys compiled.
+// Hot keys compile in the background one at a time and at low priority
+// (after every other queued compile): while one hot key's compile is
+// queued or running, other hot keys stay op by op and are compiled at a
+// later sight (a hot key on disk loads at once). Without
+// this the call in which a generate() prompt's ~20 decoding keys all
+// turned hot built and hashed ~20 region programs on the calling thread
+// and queued ~25 s of compiles ahead of the single-op compiles its own
+// new shapes needed: a 12-token prompt after three calls of an 8-token
+// one (issue 12 (b)) took 2.2x the warm call (median of 5 runs), 1.3x with
+// no hot keys compiled. Counted per hot compile, not gated on the whole
+// compile queue: other compiles queued before each sight would starve a
+// hot key for good.
 constexpr int kMaxSizesPerStructure = 2;
 constexpr int kHotRecurrence = 4;
 constexpr size_t kMaxStructures = 4096;
+std::atomic<int> hot_compiles_outstanding{0};  // hot keys' background compiles queued or running
 
 // TORCH_TPU_FUSED_LOOPS=0 turns loop detection off (regions end at sync
 // points and the size bound only, as before it existed).
@@ -672,8 +676,10 @@ class FusedExecutor {
       // Churn applies to fused mode's regions and to those deferred between
       // graphs in strict mode, not to a strict-mode multi-tensor op's (one
       // program, always).
+      const bool background = CurrentMode() == EagerMode::kFused && !deferred_;  // where a new key compiles
       bool sizes_vary = false;  // the structure has been compiled for other sizes already
-      if ((CurrentMode() == EagerMode::kFused || deferred_) && Churning(&sizes_vary)) {
+      bool hot = false;         // a churning structure's key compiled for recurring
+      if ((CurrentMode() == EagerMode::kFused || deferred_) && Churning(background, &sizes_vary, &hot)) {
         RunOneByOne(alive);
         return;
       }
@@ -699,10 +705,18 @@ class FusedExecutor {
       // turned hot: 1.6 s instead of 0.25 s). A region on disk loads now. A
       // strict-mode region (a multi-tensor op, calls deferred between
       // graphs) is one program at once.
-      if (CurrentMode() == EagerMode::kFused && !deferred_ && (!loop_confirmed_ || sizes_vary) &&
-          !InDiskCache(built->module_text)) {
-        CheckBackgroundCompileSettings();  // before the key is cached as compiling
-        CompileInBackground(regions_.Insert(key_, built), name);
+      if (background && (!loop_confirmed_ || sizes_vary) && !InDiskCache(built->module_text)) {
+        // The background compile thread's settings, before the key is
+        // cached as compiling: a bad value runs the calls op by op (each
+        // raises it where it would queue its own compile).
+        try {
+          CheckBackgroundCompileSettings();
+        } catch (const std::exception& e) {
+          warn(e.what());
+          RunOneByOne(alive);
+          return;
+        }
+        CompileInBackground(regions_.Insert(key_, built), name, hot);
         RunOneByOne(alive, /*region_compiling=*/true);
         return;
       }
@@ -724,10 +738,19 @@ class FusedExecutor {
   // now (metrics()["compiles"] does not depend on when it ends;
   // torch_tpu.metrics() waits for it). Until it is ready the key's regions
   // run op by op; a compile error is kept and warned about at the key's
-  // next flush (it then always runs op by op).
-  static void CompileInBackground(std::shared_ptr<CompiledRegion> region, const std::string& name) {
+  // next flush (it then always runs op by op). `hot`: a churning
+  // structure's recurring key (Churning), counted in
+  // hot_compiles_outstanding until its compile ends.
+  static void CompileInBackground(std::shared_ptr<CompiledRegion> region, const std::string& name, bool hot) {
     Runtime::Get().metrics().compiles++;
-    SubmitBackgroundCompile([region = std::move(region), name] {
+    if (hot) hot_compiles_outstanding.fetch_add(1, std::memory_order_acq_rel);
+    SubmitBackgroundCompile([region = std::move(region), name, hot] {
+      struct Done {
+        bool hot;
+        ~Done() {
+          if (hot) hot_compiles_outstanding.fetch_sub(1, std::memory_order_acq_rel);
+        }
+      } done{hot};
       try {
         region->executable = CompileModule(name, region->module_text, /*single_op=*/false, /*count=*/false);
         region->module_text.clear();
@@ -739,16 +762,18 @@ class FusedExecutor {
         region->error = "unknown error";
         region->failed.store(true, std::memory_order_release);
       }
-    });
+    }, /*low_priority=*/hot);
   }
 
   // On a region-cache miss: whether this region's structure (its sequence
   // of ops, modulo sizes) has already been compiled for
   // kMaxSizesPerStructure other keys, so it is run op by op instead of
   // compiling once more (a key recurring kHotRecurrence times is compiled
-  // after all, once no background compile is outstanding). Counts the compile otherwise; `sizes_vary` is set when the
-  // structure had been compiled for another key before.
-  bool Churning(bool* sizes_vary) {
+  // after all: `hot` is set; where it would compile in the background,
+  // `background`, only while no other hot key's compile is outstanding).
+  // Counts the compile otherwise; `sizes_vary` is set when the structure
+  // had been compiled for another key before.
+  bool Churning(bool background, bool* sizes_vary, bool* hot) {
     size_t structure = calls_.size();
     for (const auto& rc : calls_)
       structure = c10::hash_combine(structure, rc.graph ? std::hash<uint64_t>()(rc.graph->uid())
@@ -761,7 +786,9 @@ class FusedExecutor {
     *sizes_vary = compiled > 0;
     if (compiled >= kMaxSizesPerStructure) {
       int& seen = op_by_op_keys_[RegionKeyHash()(key_)];
-      if (++seen < kHotRecurrence || BackgroundCompilesOutstanding() > 0) return true;
+      if (++seen < kHotRecurrence) return true;
+      if (background && hot_compiles_outstanding.load(std::memory_order_acquire) > 0) return true;
+      *hot = true;
     }
     ++compiled;
     return false;
