@@ -395,6 +395,58 @@ print(json.dumps({"after_two": m["compiles"] - snap[1], "total": m["compiles"],
     assert counts["single_op"] == 0, counts
 
 
+SIZE_CHANGING_LOOP = r"""
+import json, torch, torch_tpu
+sizes, npasses, filler = PARAMS
+torch.manual_seed(0)
+w = torch.randn(8, 8)
+xs = [torch.randn(n, 8) for n in sizes]
+def body(x, w):
+    for _ in range(12):
+        x = torch.tanh(x @ w) * 0.5 + x
+    return x
+def counts():
+    m = torch_tpu.metrics()
+    return m["fused_regions"], m["fused_regions_op_by_op"], m["compiles"]
+passes, err, n = [], 0.0, 100
+with torch_tpu.eager_mode("fused"):
+    Z0 = torch.ones(4, 4).to("tpu"); W = w.to("tpu"); XS = [x.to("tpu") for x in xs]
+    torch_tpu.metrics()
+    for p in range(npasses):
+        c0 = counts()
+        outs = []
+        for X in XS:
+            if filler:  # a new structure (a sin/cos chain spelled by n's bits): its region compile is queued now
+                n += 1
+                Z = Z0
+                for bit in bin(n)[2:]:
+                    Z = torch.sin(Z) if bit == "1" else torch.cos(Z)
+                Z.sum().item()
+            y = body(X, W)
+            y.sum().item()
+            outs.append(y)
+        c1 = counts()
+        passes.append([b - a for a, b in zip(c0, c1)])
+        for o, x in zip(outs, xs):
+            err = max(err, (o.cpu() - body(x, w)).abs().max().item())
+print(json.dumps({"passes": passes, "err": err}))
+"""
+
+
+def _size_changing_loop(sizes, npasses, filler):
+    """Runs SIZE_CHANGING_LOOP in a fresh process (disk cache off): per pass
+    [fused regions, op-by-op regions, compiles], and the largest error
+    against CPU."""
+    import json
+
+    code = f"PARAMS = {(list(sizes), int(npasses), bool(filler))!r}\n" + SIZE_CHANGING_LOOP
+    r = run_python(code, env={"TORCH_TPU_CACHE_DIR": ""}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["err"] <= 1e-5, out
+    return out["passes"]
+
+
 def test_hot_key_of_a_size_changing_loop_compiles_in_the_background():
     """A loop whose iterations repeat one structure at a new size each (as
     generate()'s decoding steps do, one KV length per step; a sync every
@@ -410,41 +462,7 @@ def test_hot_key_of_a_size_changing_loop_compiles_in_the_background():
     or more per pass, until every size runs as one program. A structure's
     first key in a confirmed loop still compiles at once. Values equal CPU
     at every pass. Fresh process, disk cache off."""
-    code = r"""
-import json, torch, torch_tpu
-torch.manual_seed(0)
-sizes = [5, 6, 7, 9, 10, 11]
-w = torch.randn(8, 8)
-xs = [torch.randn(n, 8) for n in sizes]
-def body(x, w):
-    for _ in range(12):
-        x = torch.tanh(x @ w) * 0.5 + x
-    return x
-def counts():
-    m = torch_tpu.metrics()
-    return m["fused_regions"], m["fused_regions_op_by_op"], m["compiles"]
-passes, err = [], 0.0
-with torch_tpu.eager_mode("fused"):
-    W = w.to("tpu"); XS = [x.to("tpu") for x in xs]
-    torch_tpu.metrics()
-    for p in range(10):
-        c0 = counts()
-        outs = []
-        for X in XS:
-            y = body(X, W)
-            y.sum().item()
-            outs.append(y)
-        c1 = counts()
-        passes.append([b - a for a, b in zip(c0, c1)])
-        for o, x in zip(outs, xs):
-            err = max(err, (o.cpu() - body(x, w)).abs().max().item())
-print(json.dumps({"passes": passes, "err": err}))
-"""
-    r = run_python(code, env={"TORCH_TPU_CACHE_DIR": ""}, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = __import__("json").loads(r.stdout.strip().splitlines()[-1])
-    p = out["passes"]
-    assert out["err"] <= 1e-5, out
+    p = _size_changing_loop([5, 6, 7, 9, 10, 11], 10, filler=False)
     # fused regions, op-by-op regions, compiles per pass of the 6 sizes
     assert p[0][:2] == [0, 6], p  # all new
     assert p[2] == [2, 4, 0] and p[4] == [2, 4, 0], p  # 2 sizes compiled, 4 churn op by op
@@ -464,46 +482,7 @@ def test_hot_keys_compile_while_other_compiles_are_queued():
     the loop's hot sizes never compiled; counted per hot compile they
     compile one per pass and the last pass runs every size as one program.
     Values equal CPU at every pass. Fresh process, disk cache off."""
-    code = r"""
-import json, torch, torch_tpu
-torch.manual_seed(0)
-sizes = [5, 6, 7, 9]
-w = torch.randn(8, 8)
-xs = [torch.randn(n, 8) for n in sizes]
-def body(x, w):
-    for _ in range(12):
-        x = torch.tanh(x @ w) * 0.5 + x
-    return x
-def counts():
-    m = torch_tpu.metrics()
-    return [m["fused_regions"], m["fused_regions_op_by_op"], m["compiles"]]
-passes, err, n = [], 0.0, 100
-with torch_tpu.eager_mode("fused"):
-    Z0 = torch.ones(4, 4).to("tpu"); W = w.to("tpu"); XS = [x.to("tpu") for x in xs]
-    torch_tpu.metrics()
-    for p in range(9):
-        c0 = counts()
-        outs = []
-        for X in XS:
-            n += 1
-            Z = Z0
-            for bit in bin(n)[2:]:
-                Z = torch.sin(Z) if bit == "1" else torch.cos(Z)
-            Z.sum().item()  # a new structure: its region compile is queued now
-            y = body(X, W)
-            y.sum().item()
-            outs.append(y)
-        c1 = counts()
-        passes.append([b - a for a, b in zip(c0, c1)])
-        for o, x in zip(outs, xs):
-            err = max(err, (o.cpu() - body(x, w)).abs().max().item())
-print(json.dumps({"passes": passes, "err": err}))
-"""
-    r = run_python(code, env={"TORCH_TPU_CACHE_DIR": ""}, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = __import__("json").loads(r.stdout.strip().splitlines()[-1])
-    p = out["passes"]
-    assert out["err"] <= 1e-5, out
+    p = _size_changing_loop([5, 6, 7, 9], 9, filler=True)
     # [fused regions, op-by-op regions, compiles] per pass; the filler's
     # regions are new structures, never fused at their only sight
     assert p[2][0] == 2, p  # 2 sizes compiled, 2 churning
