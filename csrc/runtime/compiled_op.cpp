@@ -1798,12 +1798,13 @@ void PrepareBackground(const std::shared_ptr<CompiledOp>& compiled, const Deferr
   // The program's build time (meta kernel, lowering, module text), not the
   // calls between the first and the one that queues the compile.
   const double build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - d.start).count();
-  pending->queue = [signature = d.signature, build_s, promise](const std::shared_ptr<CompiledOp>& c) {
+  pending->queue = [signature = d.signature, build_s, promise](const std::shared_ptr<CompiledOp>& c,
+                                                                 bool load_now) {
     // Counted when queued, on the calling thread: compile counts and causes
     // (and the recompile warning) do not depend on when the compile ends.
     Runtime::Get().metrics().compiles++;
     CompileStats::Get().Record(c->name, signature, build_s);
-    CompileWorker::Get().Submit([c, promise] {
+    auto compile = [c, promise] {
       try {
         c->executable = CompileModule(c->name, c->module_text, /*single_op=*/true, /*count=*/false);
         c->pending->ready.store(true, std::memory_order_release);
@@ -1811,20 +1812,31 @@ void PrepareBackground(const std::shared_ptr<CompiledOp>& compiled, const Deferr
       } catch (...) {
         promise->set_exception(std::current_exception());
       }
-    });
+    };
+    if (load_now) {
+      compile();  // on disk: a load, as a program found there at its first call is
+    } else {
+      CompileWorker::Get().Submit(std::move(compile));
+    }
   };
   compiled->pending = pending;
 }
 
 // Queues a prepared compile (once); the caller holds the OpCache's mutex.
+// A program on disk loads now, on the calling thread (a fused recording
+// prepares its ops' entries without looking at the disk, as a region may
+// never run them one by one); else the compile goes to the worker, whose
+// settings are read first: a bad value raises here, before the op is
+// marked queued.
 void QueueCompile(const std::shared_ptr<const CompiledOp>& compiled) {
   PendingCompile& p = *compiled->pending;
   if (p.queued) return;
-  CompileWorker::Get();  // its settings: a bad value raises here, before the op is marked queued
+  const bool on_disk = InDiskCache(compiled->module_text, /*single_op=*/true);
+  if (!on_disk) CompileWorker::Get();
   p.queued = true;
   auto queue = std::move(p.queue);
   p.queue = nullptr;  // the task holds the CompiledOp; no cycle through `pending`
-  queue(std::const_pointer_cast<CompiledOp>(compiled));
+  queue(std::const_pointer_cast<CompiledOp>(compiled), on_disk);
 }
 
 // Waits for a compile started by an earlier host-first call; rethrows its

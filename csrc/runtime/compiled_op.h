@@ -151,7 +151,7 @@ struct PendingCompile {
   // Whether any call used the entry (a fused recording is not a call): also
   // set by calls HostFirstDeferScope keeps out of `calls`.
   bool called = false;
-  std::function<void(const std::shared_ptr<CompiledOp>&)> queue;
+  std::function<void(const std::shared_ptr<CompiledOp>&, bool load_now)> queue;
 };
 
 struct CompiledOp {
