@@ -1695,9 +1695,11 @@ void FinishCompile(CompiledOp& compiled, const Deferred& d) {
 }
 
 // The background compile thread(s) of host-first calls and fused-mode
-// regions: a FIFO queue, one thread (TORCH_TPU_COMPILE_THREADS, default 1:
-// this is a 2-core machine and the PJRT CPU plugin compiles on the calling
-// thread). TORCH_TPU_COMPILE_NICE=N (1-19; default 0: the caller's
+// regions: a FIFO queue, plus a low-priority one taken only when it is
+// empty (a fused structure's hot keys), one thread
+// (TORCH_TPU_COMPILE_THREADS, default 1: this is a 2-core machine and the
+// PJRT CPU plugin compiles on the calling thread).
+// TORCH_TPU_COMPILE_NICE=N (0-19; default 0: the caller's
 // priority) runs them at niceness N (setpriority(2) on the thread's id):
 // the calls made meanwhile (host-served, op by op) and the programs they
 // launch then keep the cores on the XLA CPU plugin (generate() with a

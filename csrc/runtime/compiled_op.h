@@ -367,7 +367,7 @@ class HostFirstDeferScope {
 // before fork(), at exit).
 void AwaitBackgroundCompiles();
 // Runs `task` on the background compile thread (FIFO, after the compiles
-// queued before it; AwaitBackgroundCompiles waits for it too). `task` must
+// queued before it at its priority; AwaitBackgroundCompiles waits for it too). `task` must
 // not throw. Used by the fused executor for region programs.
 // `low_priority`: runs only when no other task is queued (a churning
 // structure's hot keys: a bet on recurrences, which must not delay the

@@ -454,12 +454,12 @@ def test_hot_key_of_a_size_changing_loop_compiles_in_the_background():
     iteration: a key of a structure compiled for other sizes already, once
     hot (its 4th op-by-op run), compiles in the background and runs op by
     op that pass (not compiled on the calling thread, which stalled
-    generate()'s 4th call for ~1.6 s). Hot keys compile only while no
-    background compile is outstanding: the first hot size of pass 5 is
-    queued, the others stay op by op while it compiles (each 12-op
-    iteration takes a few ms, a region compile tens of ms) and are queued
-    at later passes (metrics() between passes waits for the compiles), one
-    or more per pass, until every size runs as one program. A structure's
+    generate()'s 4th call for ~1.6 s). Hot keys compile one at a time: the
+    first hot size of pass 5 is queued, the others stay op by op while it
+    compiles (each 12-op iteration takes a few ms, a region compile tens of
+    ms) and are queued at later passes (metrics() between passes waits for
+    the compiles), one per pass as observed, until every size runs as one
+    program. A structure's
     first key in a confirmed loop still compiles at once. Values equal CPU
     at every pass. Fresh process, disk cache off."""
     p = _size_changing_loop([5, 6, 7, 9, 10, 11], 10, filler=False)
@@ -467,7 +467,7 @@ def test_hot_key_of_a_size_changing_loop_compiles_in_the_background():
     assert p[0][:2] == [0, 6], p  # all new
     assert p[2] == [2, 4, 0] and p[4] == [2, 4, 0], p  # 2 sizes compiled, 4 churn op by op
     assert p[5][:2] == [2, 4], p  # the 4 now hot run op by op this pass
-    assert 1 <= p[5][2] < 4, p  # the first queued, the rest wait for an idle compile thread
+    assert 1 <= p[5][2] < 4, p  # the first queued, the rest wait for its compile
     assert sum(q[2] for q in p[5:]) == 4, p  # each hot size compiled once, at some pass
     assert all(q[2] >= 1 for q in p[5:] if q[1] > 0), p  # a pass with a hot size op by op queues one
     assert p[-1] == [6, 0, 0], p  # all one program each
