@@ -2079,14 +2079,22 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   // yet does not keep a shape_poly caller (a fused region run op by op) off
   // the polymorphic path: it serves the call only where no bucket program
   // does, counted as the family's exact shape then (strict mode's keys and
-  // compiles, whichever mode recorded first).
+  // compiles, whichever mode recorded first). Likewise an exact entry whose
+  // program was never queued (a host-first call served it on the host):
+  // at its next call a bucket program of its family serves it if one does
+  // by then, instead of compiling the exact program (a loop over 20
+  // lengths otherwise compiled, in its second pass, an exact program per
+  // length that its first pass had served on the host; its family was
+  // counted at its first call).
   std::shared_ptr<const CompiledOp> recorded;
+  bool recorded_counted = false;
   if (auto hit = cache_.Find(key); hit && (shape_poly || hit->poly_leader < 0)) {
     const PendingCompile* p = hit->pending.get();
-    if (!(shape_poly && p && !p->queued && !p->called)) {
+    if (!(shape_poly && p && !p->queued && hit->poly_leader < 0 && !p->ready.load(std::memory_order_acquire))) {
       metrics.cache_hits++;
       return ready(std::move(hit));
     }
+    recorded_counted = p->called;
     recorded = std::move(hit);
   }
   const bool host_first = host_served && HostFirstCall(op, stack, first, entry);
@@ -2196,6 +2204,8 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     StorageIds poly_ids;
     AppendCallKey(op, stack, first, entry, poly_key.atoms, poly_ids, plan.dynamic, plan.bucket, dim);
     poly_key.hash = KeyHash(poly_key);
+    // A displaced exact entry keeps its spec for fused recording.
+    if (recorded) recorded_.Insert(key, recorded);
     if (auto hit = cache_.Find(poly_key)) {
       metrics.cache_hits++;
       // The exact key serves later calls directly (no poly key to build).
@@ -2209,7 +2219,8 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     *family = -1;  // declined: this family keeps exact shapes
   }
   if (recorded) {
-    for (int* family : families) ++*family;
+    if (!recorded_counted)
+      for (int* family : families) ++*family;
     metrics.cache_hits++;
     return ready(std::move(recorded));
   }

@@ -20,6 +20,7 @@ serves a bucket.
 """
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -166,6 +167,54 @@ def test_twenty_lengths_bounded_compiles(strict):
         _same(t * 2.5 + 1.25, x * 2.5 + 1.25)
         _same(t.sum(), x.sum(), exact=False)
     assert _compiles() == before
+
+
+SECOND_PASS = r"""
+import json, sys
+import torch, torch_tpu
+op = sys.argv[1]
+torch_tpu.set_eager_mode("strict")
+name = {"mul": "aten::mul.Tensor", "linear": "aten::addmm"}[op]
+fn = {"mul": lambda x, w, b: x * 3.375,
+      "linear": lambda x, w, b: torch.nn.functional.linear(x, w, b)}[op]
+def op_compiles():  # XLA compiles of the op (host-served calls compile nothing)
+    return torch_tpu.metrics()["compiles_by_op"].get(name, {}).get("compiles", 0)
+g = torch.Generator().manual_seed(3)
+w = torch.randn(5, 7, generator=g, dtype=torch.float64)
+b = torch.randn(5, generator=g, dtype=torch.float64)
+xs = [torch.randn(n, 7, generator=g, dtype=torch.float64) for n in (3, 5, 7, 9)]
+ts, wt, bt = [x.to("tpu") for x in xs], w.to("tpu"), b.to("tpu")
+compiles, err = [], 0.0
+for p in range(3):
+    before = op_compiles()
+    for x, t in zip(xs, ts):
+        y = fn(t, wt, bt).cpu()
+        assert y.dtype == torch.float64 and y.shape == fn(x, w, b).shape
+        err = max(err, (y - fn(x, w, b)).abs().max().item())
+    compiles.append(op_compiles() - before)
+print(json.dumps({"compiles": compiles, "err": err}))
+"""
+
+
+@pytest.mark.parametrize("op", ["mul", "linear"])
+def test_second_pass_runs_the_bucket_program(op, tmp_path):
+    """A loop over lengths, run three times (fresh process, empty cache).
+    Its first pass serves the family's first two lengths on the host
+    (host-first: a key compiles at its second call) and counts them as the
+    family's exact shapes; the later lengths share the bucket program, which
+    compiles once. In later passes those first two keys run the bucket
+    program that serves their lengths too, and the op compiles nothing (an
+    exact program was compiled for each of them before: a 20-length
+    transformer block compiled 8 exact addmm programs in its second pass).
+    Their input buffers may be copied to the bucket's size
+    (tpu::resize_buffer, not counted). Lengths 3, 5, 7, 9 all lie in bucket
+    16. Values: CPU's, exact for mul; linear within float64 rounding."""
+    r = run_python(SECOND_PASS.replace("sys.argv[1]", repr(op)),
+                   env={"TORCH_TPU_CACHE_DIR": str(tmp_path), "TORCH_TPU_HOST_FIRST_COMPILE_AFTER": "2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["compiles"] == [1, 0, 0], out
+    assert out["err"] <= (0.0 if op == "mul" else 1e-12), out
 
 
 def test_disabled_by_env():
