@@ -218,8 +218,10 @@ def eager_mode(mode: str):
 
 
 def metrics() -> dict:
-    """Counters since start: compiles (count, seconds), executable cache hits
-    and misses, executions, host<->device bytes, and CPU fallbacks by op."""
+    """Counters since start: compiles (count, seconds), the seconds calling
+    threads were blocked on a queued compile (``compile_wait_s``), executable
+    cache hits and misses, executions, host<->device bytes, and CPU fallbacks
+    by op. Waits for background compiles first (their counts are included)."""
     return dict(_C.metrics())
 
 

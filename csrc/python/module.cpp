@@ -34,6 +34,7 @@ py::dict Metrics() {
   py::dict d;
   d["compiles"] = m.compiles.load();
   d["compile_time_s"] = static_cast<double>(m.compile_time_ns.load()) * 1e-9;
+  d["compile_wait_s"] = static_cast<double>(m.compile_wait_ns.load()) * 1e-9;
   d["cache_hits"] = m.cache_hits.load();
   d["cache_misses"] = m.cache_misses.load();
   d["executions"] = m.executions.load();

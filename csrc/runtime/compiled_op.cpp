@@ -1845,7 +1845,10 @@ void QueueCompile(const std::shared_ptr<const CompiledOp>& compiled) {
 // error.
 void AwaitCompiled(const CompiledOp& compiled) {
   if (!compiled.pending || compiled.pending->ready.load(std::memory_order_acquire)) return;
+  const auto start = std::chrono::steady_clock::now();
   compiled.pending->done.get();
+  Runtime::Get().metrics().compile_wait_ns +=
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
 // Bytes of the tpu storages a call reads or writes plus its new outputs'.

@@ -23,6 +23,9 @@ namespace torch_tpu::runtime {
 struct Metrics {
   std::atomic<int64_t> compiles{0};
   std::atomic<int64_t> compile_time_ns{0};
+  // Time calling threads were blocked on a queued single-op compile
+  // (AwaitCompiled: a call that cannot be host-served waits for its program).
+  std::atomic<int64_t> compile_wait_ns{0};
   std::atomic<int64_t> cache_hits{0};
   std::atomic<int64_t> cache_misses{0};
   std::atomic<int64_t> executions{0};

@@ -313,6 +313,38 @@ def test_debug_mode_compiles_synchronously_fused_mode_serves_a_new_region_on_the
     assert r["fused"]["d"] == {"host_served": 2, "executions": 0, "compiles": 1}, r
 
 
+WAIT = r"""
+x = torch.randn(11, 13).to("tpu")
+m0 = torch_tpu.metrics()
+a = x.sin().cpu()  # host-served; its program is not queued (compile at the 2nd call)
+m1 = torch_tpu.metrics()
+with torch_tpu.eager_mode("debug"):  # cannot be host-served: queues the compile and waits for it
+    b = x.sin().cpu()
+m2 = torch_tpu.metrics()
+c = x.sin().cpu()  # compiled: runs the program, no wait
+m3 = torch_tpu.metrics()
+ref = x.cpu().sin()
+out["ok"] = [torch.allclose(v, ref, rtol=1.3e-6, atol=1e-5) for v in (a, b, c)]  # float32 sin: torch.testing defaults
+out["wait"] = [m1["compile_wait_s"] - m0["compile_wait_s"], m2["compile_wait_s"] - m1["compile_wait_s"],
+               m3["compile_wait_s"] - m2["compile_wait_s"]]
+out["compiles"] = [m1["compiles"] - m0["compiles"], m2["compiles"] - m1["compiles"], m3["compiles"] - m2["compiles"]]
+out["compile_s"] = m2["compile_time_s"] - m1["compile_time_s"]
+"""
+
+
+def test_compile_wait_is_counted():
+    """metrics()["compile_wait_s"]: seconds a calling thread was blocked on a
+    queued compile. A strict call served on the host waits for nothing; the
+    same call in debug mode (never host-served) queues the program and
+    waits for it; the compiled program then serves without a wait."""
+    r = run(WAIT)
+    assert r["ok"] == [True, True, True], r
+    assert r["compiles"] == [0, 1, 0], r
+    assert r["wait"][0] == 0 and r["wait"][2] == 0, r
+    assert 0 < r["wait"][1], r
+    assert r["wait"][1] >= 0.5 * r["compile_s"], r  # the wait covers the compile it waited for
+
+
 @pytest.mark.full_tier  # two fresh processes or more: make test-full
 def test_switched_off():
     r = run(BIG, env={"TORCH_TPU_HOST_FIRST": "0"})
