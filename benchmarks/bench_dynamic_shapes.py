@@ -136,10 +136,9 @@ def _child(config: str) -> dict:
     # The most compiles of one op (strict, fused: single-op programs and
     # regions by their op name) or of one Dynamo graph (compile) in the
     # first pass and in both: issue 12's "at most 4 compiles per op or region".
-    top = max(per_graph.items() if config == "compile" else per_op.items(), key=lambda kv: kv[1],
-              default=("-", 0))
-    top_both = max(per_graph.items() if config == "compile" else per_op_both.items(), key=lambda kv: kv[1],
-                   default=("-", 0))
+    def most(counts):
+        return max((per_graph if config == "compile" else counts).items(), key=lambda kv: kv[1], default=("-", 0))
+    top, top_both = most(per_op), most(per_op_both)
     out = {"first_s": first, "compiles": compiles, "warm_s": warm, "second_compiles": second_compiles,
            "top_both": list(top_both),
            "compile_s": (metrics()["compile_time_s"]) if metrics else 0.0, "top": list(top),

@@ -2093,7 +2093,7 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   bool recorded_counted = false;
   if (auto hit = cache_.Find(key); hit && (shape_poly || hit->poly_leader < 0)) {
     const PendingCompile* p = hit->pending.get();
-    if (!(shape_poly && p && !p->queued && hit->poly_leader < 0 && !p->ready.load(std::memory_order_acquire))) {
+    if (!(shape_poly && p && !p->queued && hit->poly_leader < 0)) {  // never queued, so not ready
       metrics.cache_hits++;
       return ready(std::move(hit));
     }

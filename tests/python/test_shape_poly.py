@@ -170,9 +170,8 @@ def test_twenty_lengths_bounded_compiles(strict):
 
 
 SECOND_PASS = r"""
-import json, sys
+import json
 import torch, torch_tpu
-op = sys.argv[1]
 torch_tpu.set_eager_mode("strict")
 name = {"mul": "aten::mul.Tensor", "linear": "aten::addmm"}[op]
 fn = {"mul": lambda x, w, b: x * 3.375,
@@ -194,6 +193,27 @@ for p in range(3):
     compiles.append(op_compiles() - before)
 print(json.dumps({"compiles": compiles, "err": err}))
 """
+
+
+@pytest.mark.parametrize("op", ["mul", "linear"])
+def test_second_pass_runs_the_bucket_program(op, tmp_path):
+    """A loop over lengths, run three times (fresh process, empty cache).
+    Its first pass serves the family's first two lengths on the host
+    (host-first: a key compiles at its second call) and counts them as the
+    family's exact shapes; the later lengths share the bucket program, which
+    compiles once. In later passes those first two keys run the bucket
+    program that serves their lengths too, and the op compiles nothing (an
+    exact program was compiled for each of them before: a 20-length
+    transformer block compiled 8 exact addmm programs in its second pass).
+    Their input buffers may be copied to the bucket's size
+    (tpu::resize_buffer, not counted). Lengths 3, 5, 7, 9 all lie in bucket
+    16. Values: CPU's, exact for mul; linear within float64 rounding."""
+    r = run_python(f"op = {op!r}\n" + SECOND_PASS,
+                   env={"TORCH_TPU_CACHE_DIR": str(tmp_path), "TORCH_TPU_HOST_FIRST_COMPILE_AFTER": "2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["compiles"] == [1, 0, 0], out
+    assert out["err"] <= (0.0 if op == "mul" else 1e-12), out
 
 
 STATIC_TWO_SHAPES = r"""
@@ -226,27 +246,6 @@ def test_static_two_shapes_keep_exact_programs(tmp_path):
     dump = r.stdout + r.stderr
     assert dump.count("func.func public @main") >= 2, dump[-2000:]  # the compiled modules are printed
     assert "dynamic_slice" not in dump, "a bucket program serves a static shape"
-
-
-@pytest.mark.parametrize("op", ["mul", "linear"])
-def test_second_pass_runs_the_bucket_program(op, tmp_path):
-    """A loop over lengths, run three times (fresh process, empty cache).
-    Its first pass serves the family's first two lengths on the host
-    (host-first: a key compiles at its second call) and counts them as the
-    family's exact shapes; the later lengths share the bucket program, which
-    compiles once. In later passes those first two keys run the bucket
-    program that serves their lengths too, and the op compiles nothing (an
-    exact program was compiled for each of them before: a 20-length
-    transformer block compiled 8 exact addmm programs in its second pass).
-    Their input buffers may be copied to the bucket's size
-    (tpu::resize_buffer, not counted). Lengths 3, 5, 7, 9 all lie in bucket
-    16. Values: CPU's, exact for mul; linear within float64 rounding."""
-    r = run_python(SECOND_PASS.replace("sys.argv[1]", repr(op)),
-                   env={"TORCH_TPU_CACHE_DIR": str(tmp_path), "TORCH_TPU_HOST_FIRST_COMPILE_AFTER": "2"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["compiles"] == [1, 0, 0], out
-    assert out["err"] <= (0.0 if op == "mul" else 1e-12), out
 
 
 def test_disabled_by_env():
