@@ -34,7 +34,10 @@ const std::unordered_map<std::string_view, PadFill>& ShapePolyFamilies() {
           "sigmoid_backward", "tanh_backward", "hardtanh", "hardtanh_backward", "leaky_relu",
           "leaky_relu_backward", "elu", "elu_backward", "softplus", "softplus_backward", "mish", "hardsigmoid",
           "hardsigmoid_backward", "hardswish", "hardswish_backward", "isneginf", "isposinf", "copy", "clone", "fill",
-          "zero"})
+          "zero",
+          // Position masks: a result element reads its own input element
+          // and its (row, col) index, which padding past the extent keeps.
+          "tril", "triu"})
       t->emplace(name, PadFill::kAny);
     for (std::string_view name : {"sum", "nansum", "count_nonzero", "any"}) t->emplace(name, PadFill::kZero);
     for (std::string_view name : {"prod", "all"}) t->emplace(name, PadFill::kOne);
@@ -45,6 +48,11 @@ const std::unordered_map<std::string_view, PadFill>& ShapePolyFamilies() {
     t->emplace("_softmax", PadFill::kLowest);
     t->emplace("_log_softmax", PadFill::kLowest);
     t->emplace("amin", PadFill::kHighest);
+    // bmm along its batch dim, or along every dim of one size
+    // (PlanPolyMulti: [b, t, d] @ [b, d, t], [b, t, t] @ [b, t, d]): padding
+    // is 0 in both operands, so a padded contraction adds 0 * 0 (never a
+    // stale NaN or inf) and real rows and columns are unchanged.
+    t->emplace("bmm", PadFill::kZero);
     return t;
   }();
   return *table;

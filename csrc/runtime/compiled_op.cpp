@@ -186,6 +186,17 @@ void AppendStatic(std::vector<int64_t>& atoms, const c10::IValue& v) {
 }
 
 
+// The bucket of extent n >= 1 of a shape family: the next power of two, at
+// least 16 (as torch.compile's buckets, _dynamic.py). Capacity's eighth-
+// octave steps (storage buffers: at most 12.5% over) were tried first and
+// cost a program per step: 9 buckets for issue 12's lengths 1..65, 12 for
+// a linear's 2..130 rows (a transformer block's 20 lengths: 322 compiles
+// over two passes; powers of two: 172). A bucket's buffers and compute are
+// then at most 2x the tensor's per dynamic dim for n > 16.
+int64_t PolyBucket(int64_t n) {
+  return n <= 16 ? 16 : static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(n)));
+}
+
 // The memory order of a dense, possibly permuted and expanded view that
 // starts at its storage's first element: its dims of size > 1 and stride
 // != 0, by stride descending, when they lay out a contiguous block (each
@@ -223,8 +234,10 @@ bool PolyMarked(std::span<const int8_t> dynamic, size_t num_args, size_t arg, in
 // dim < 0 (PlanPolyFlat): keyed by `extent` alone, no rank or sizes.
 // `runtime_offsets`: a nonzero storage offset keyed as -1 (an offset
 // family's key; the program reads it at launch, InputSlot::kOffset).
+// multi_n > 0 (PlanPolyMulti): every dim of size multi_n is dynamic, keyed
+// as -16 - extent.
 void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& ids, bool dynamic = false,
-                  int64_t extent = 0, int64_t dim = 0, bool runtime_offsets = false) {
+                  int64_t extent = 0, int64_t dim = 0, bool runtime_offsets = false, int64_t multi_n = 0) {
   if (!ids.seen.empty() && ids.seen.front()->device_index() != StorageOf(t).device_index())
     throw std::runtime_error("Expected all tensors to be on the same device, but found at least two devices, tpu:" +
                              std::to_string(ids.seen.front()->device_index()) + " and " + t.device().str() + "!");
@@ -234,7 +247,10 @@ void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& 
     atoms.push_back(extent);
   } else {
     atoms.push_back(t.dim());
-    for (int64_t d = 0; d < t.dim(); ++d) atoms.push_back(dynamic && d == dim ? extent : t.size(d));
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      if (dynamic && multi_n > 0) atoms.push_back(t.size(d) == multi_n ? -16 - extent : t.size(d));
+      else atoms.push_back(dynamic && d == dim ? extent : t.size(d));
+    }
   }
   if (!dynamic) {
     for (int64_t s : t.strides()) atoms.push_back(s);
@@ -287,7 +303,8 @@ int64_t StorageIds::Id(const DeviceStorage* s) {
 
 void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                    const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& ids,
-                   std::span<const int8_t> dynamic, int64_t extent, int64_t dim, bool runtime_offsets) {
+                   std::span<const int8_t> dynamic, int64_t extent, int64_t dim, bool runtime_offsets,
+                   int64_t multi_n) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   bool has_f64 = CallHasF64(args, stack, first);
@@ -302,7 +319,7 @@ void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack
       } else if (OnTpu(t)) {
         atoms.push_back(2);
         const bool dyn = PolyMarked(dynamic, args.size(), i, -1);
-        AppendTensor(atoms, t, ids, dyn, extent, dim, runtime_offsets);
+        AppendTensor(atoms, t, ids, dyn, extent, dim, runtime_offsets, multi_n);
       } else if (t.dim() == 0 && t.device().is_cpu()) {
         atoms.push_back(3);
         atoms.push_back(static_cast<int64_t>(t.scalar_type()));
@@ -328,7 +345,7 @@ void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack
         if (!OnTpu(t)) DeviceMismatch(t);
         atoms.push_back(2);
         const bool dyn = PolyMarked(dynamic, args.size(), i, static_cast<int64_t>(j));
-        AppendTensor(atoms, t, ids, dyn, extent, dim, runtime_offsets);
+        AppendTensor(atoms, t, ids, dyn, extent, dim, runtime_offsets, multi_n);
       }
     } else if (v.isGenerator()) {
       atoms.push_back(5);
@@ -507,7 +524,8 @@ std::vector<int64_t> PhysicalOrder(std::span<const int64_t> sizes, std::span<con
 }  // namespace
 
 CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
-                     bool out_resized_by_numel, std::span<const int8_t> dynamic, int64_t extent, int64_t dim) {
+                     bool out_resized_by_numel, std::span<const int8_t> dynamic, int64_t extent, int64_t dim,
+                     int64_t multi_n) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   // CPU 0-d tensors stay on the CPU for type promotion; meta kernels that
@@ -529,7 +547,12 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
       auto at_extent = [&](const at::Tensor& t) {
         std::vector<int64_t> sizes = t.sizes().vec();
         if (dim < 0) return at::empty({extent}, t.options().device(c10::kMeta));  // flat (PlanPolyFlat)
-        sizes[static_cast<size_t>(dim)] = extent;
+        if (multi_n > 0) {  // PlanPolyMulti: every dim of the call's extent
+          for (auto& s : sizes)
+            if (s == multi_n) s = extent;
+        } else {
+          sizes[static_cast<size_t>(dim)] = extent;
+        }
         const std::vector<int64_t> order = t.is_contiguous() ? std::vector<int64_t>{} : DenseOrder(t);
         if (order.empty()) return at::empty(sizes, t.options().device(c10::kMeta));
         std::vector<int64_t> strides = t.strides().vec();  // size-1 and expanded dims keep theirs
@@ -620,8 +643,14 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
     // program's is [extent] (PlanPolyFlat).
     std::vector<int64_t> target_sizes = target.sizes().vec();
     if (PolyMarked(dynamic, args.size(), static_cast<size_t>(a), -1)) {
-      if (dim < 0) target_sizes = {extent};
-      else target_sizes[static_cast<size_t>(dim)] = extent;
+      if (dim < 0) {
+        target_sizes = {extent};
+      } else if (multi_n > 0) {
+        for (auto& s : target_sizes)
+          if (s == multi_n) s = extent;
+      } else {
+        target_sizes[static_cast<size_t>(dim)] = extent;
+      }
     }
     if (target_sizes != spec.outputs[r].sizes) {
       if (std::find(out_args.begin(), out_args.end(), a) == out_args.end())
@@ -792,8 +821,113 @@ hlo::Value ProgramBuilder::PolyWrite(hlo::Value value, int64_t dim, int64_t scal
   return out;
 }
 
+hlo::Value ProgramBuilder::ExtentTerm(int64_t c, int p) {
+  hlo::TensorType index{hlo::ElementType::kS64, {}};
+  hlo::Value v = b.ConstantInt(index, c);
+  for (int i = 0; i < p; ++i) v = b.Mul(v, PolyExtent());
+  return v;
+}
+
+// Multi-dim plans (PlanPolyMulti). t's elements at the runtime extent n lie
+// in `flat` at sum_k i_k * stride_k(n), where stride_k(n) = c_k * n^p_k is
+// the product of the sizes inside dim k in memory order (row-major for a
+// contiguous t, DenseOrder for a view; 0 for expanded dims), p_k counting
+// the dynamic ones. The read gathers every position of the bucket-sized
+// value at that index; positions past n along any dynamic dim read index 0
+// and are then replaced by 0 or the plan's fill. Every index is below the
+// tensor's numel at n, so in bounds of any buffer that holds it.
+hlo::Value ProgramBuilder::MultiRead(const at::Tensor& t, hlo::Value flat) {
+  const size_t rank = static_cast<size_t>(t.dim());
+  std::vector<int64_t> dims = t.sizes().vec();
+  std::vector<bool> marked(rank, false);
+  for (size_t k = 0; k < rank; ++k)
+    if (dims[k] == poly->multi_n) {
+      marked[k] = true;
+      dims[k] = poly->bucket;
+    }
+  std::vector<int64_t> order;
+  if (t.is_contiguous()) {
+    for (int64_t k = 0; k < t.dim(); ++k) order.push_back(k);
+  } else {
+    order = DenseOrder(t);
+  }
+  std::vector<int64_t> c(rank, 0);
+  std::vector<int> p(rank, 0);
+  int64_t cc = 1;
+  int pp = 0;
+  for (size_t i = order.size(); i-- > 0;) {
+    const auto k = static_cast<size_t>(order[i]);
+    c[k] = cc;
+    p[k] = pp;
+    if (marked[k]) ++pp;
+    else cc *= t.size(static_cast<int64_t>(k));
+  }
+  const hlo::TensorType index{hlo::ElementType::kS64, dims};
+  hlo::Value idx = b.BroadcastInDim(b.ConstantInt(hlo::TensorType{hlo::ElementType::kS64, {}}, 0), dims, {});
+  std::optional<hlo::Value> inside;
+  for (size_t k = 0; k < rank; ++k) {
+    if (dims[k] == 1) continue;
+    hlo::Value iota = b.Iota(index, static_cast<int64_t>(k));
+    if (c[k] != 0) idx = b.Add(idx, b.Mul(iota, b.BroadcastInDim(ExtentTerm(c[k], p[k]), dims, {})));
+    if (marked[k]) {
+      hlo::Value in = b.Compare(iota, b.BroadcastInDim(PolyExtent(), dims, {}), hlo::CompareDirection::kLT);
+      inside = inside ? b.And(*inside, in) : in;
+    }
+  }
+  if (!inside) throw std::logic_error("MultiRead: a dynamic tensor without a dim of the extent");
+  idx = b.Select(*inside, idx, b.BroadcastInDim(b.ConstantInt(hlo::TensorType{hlo::ElementType::kS64, {}}, 0), dims, {}));
+  std::vector<int64_t> idx_dims = dims;
+  idx_dims.push_back(1);
+  hlo::GatherDims g;
+  g.collapsed_slice_dims = {0};
+  g.start_index_map = {0};
+  g.index_vector_dim = static_cast<int64_t>(rank);
+  const int64_t slice_sizes[] = {1};
+  hlo::Value x = b.Gather(flat, b.Reshape(idx, idx_dims), g, slice_sizes, hlo::TensorType{flat.element(), dims});
+  const lowering::PadFill fill = poly->fill == lowering::PadFill::kAny ? lowering::PadFill::kZero : poly->fill;
+  return b.Select(*inside, x, FillConstant(b, x.element(), fill, dims));
+}
+
+// The inverse of MultiRead for a row-major value: flat position q < numel(n)
+// is the element (q / s_k(n)) % size_k(n) along each dim k (s_k the
+// row-major strides at n), gathered from the bucket-sized value.
+hlo::Value ProgramBuilder::MultiWrite(hlo::Value value, uint64_t mask) {
+  const std::vector<int64_t> dims = value.dims();
+  const int64_t numel = lowering::Numel(dims);
+  int64_t flat_dims[] = {numel};
+  hlo::Value flat = b.Reshape(value, flat_dims);
+  if (numel == 0) return flat;
+  const hlo::TensorType index{hlo::ElementType::kS64, {numel}};
+  auto splat = [&](hlo::Value scalar) { return b.BroadcastInDim(scalar, flat_dims, {}); };
+  hlo::Value q = b.Iota(index, 0);
+  hlo::Value src = splat(b.ConstantInt(hlo::TensorType{hlo::ElementType::kS64, {}}, 0));
+  int64_t cc = 1, bucket_stride = 1;
+  int pp = 0;
+  for (size_t k = dims.size(); k-- > 0;) {
+    const bool dyn = (mask >> k) & 1;
+    if (dims[k] != 1) {
+      hlo::Value i = b.Div(q, splat(ExtentTerm(cc, pp)));
+      i = b.Rem(i, splat(dyn ? PolyExtent() : b.ConstantInt(hlo::TensorType{hlo::ElementType::kS64, {}}, dims[k])));
+      src = b.Add(src, b.Mul(i, splat(b.ConstantInt(hlo::TensorType{hlo::ElementType::kS64, {}}, bucket_stride))));
+    }
+    bucket_stride *= dims[k];
+    if (dyn) ++pp;
+    else cc *= dims[k];
+  }
+  hlo::Value valid = b.Compare(q, splat(ExtentTerm(cc, pp)), hlo::CompareDirection::kLT);
+  src = b.Select(valid, src, splat(b.ConstantInt(hlo::TensorType{hlo::ElementType::kS64, {}}, 0)));
+  int64_t idx_dims[] = {numel, 1};
+  hlo::GatherDims g;
+  g.collapsed_slice_dims = {0};
+  g.start_index_map = {0};
+  g.index_vector_dim = 1;
+  const int64_t slice_sizes[] = {1};
+  return b.Gather(flat, b.Reshape(src, idx_dims), g, slice_sizes, hlo::TensorType{flat.element(), {numel}});
+}
+
 hlo::Value ProgramBuilder::PolyRows(const at::Tensor& t, hlo::Value flat) {
   if (poly->dim < 0) return PolyRead(flat, std::vector<int64_t>{poly->bucket}, 0);  // flat (PlanPolyFlat)
+  if (poly->multi_n > 0) return MultiRead(t, flat);
   std::vector<int64_t> dims = t.sizes().vec();
   dims[static_cast<size_t>(poly->dim)] = poly->bucket;
   hlo::Value x;
@@ -829,7 +963,8 @@ int64_t ProgramBuilder::PolyBufferNumel(const at::Tensor& t) const {
   const std::vector<int64_t> order = t.is_contiguous() ? std::vector<int64_t>{} : DenseOrder(t);
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (!t.is_contiguous() && std::find(order.begin(), order.end(), d) == order.end()) continue;
-    numel *= d == poly->dim ? Capacity(poly->bucket) : t.size(d);
+    const bool dynamic = poly->multi_n > 0 ? t.size(d) == poly->multi_n : d == poly->dim;
+    numel *= dynamic ? PolyBucket(poly->bucket) : t.size(d);
   }
   return numel;
 }
@@ -901,6 +1036,17 @@ void ProgramBuilder::WriteTensor(const at::Tensor& t, const InputSlot& use, hlo:
       return;
     }
     std::vector<int64_t> dims = t.sizes().vec();
+    if (poly->multi_n > 0) {  // PlanPolyMulti: contiguous, every dim of the extent at the bucket
+      uint64_t mask = 0;
+      for (size_t k = 0; k < dims.size(); ++k)
+        if (dims[k] == poly->multi_n) {
+          dims[k] = poly->bucket;
+          mask |= uint64_t{1} << k;
+        }
+      st.current = lowering::ResizeFlat(b, MultiWrite(lowering::Prepare(b, value, t.scalar_type(), dims), mask),
+                                        PolyBufferNumel(t));
+      return;
+    }
     dims[static_cast<size_t>(poly->dim)] = poly->bucket;
     // The canonical buffer at the bucket (PolyBufferNumel), as a new
     // dynamic output's: the storage's next readers at this bucket declare it.
@@ -1197,6 +1343,7 @@ struct PolyPlan {
   int64_t dim = 0;              // the dynamic dim of the highest-rank tensors
   int64_t extent = 0;           // this call's
   int64_t bucket = 0;           // Capacity(extent)
+  int64_t multi_n = 0;          // > 0: every dim of size extent is dynamic (PlanPolyMulti)
 };
 
 // The highest rank among the call's tpu tensors (0: none, or a tensor-list
@@ -1277,7 +1424,86 @@ bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, siz
   plan.leader = leader;
   plan.dim = dim;
   plan.extent = n;
-  plan.bucket = Capacity(n);
+  plan.bucket = PolyBucket(n);
+  return true;
+}
+
+// Whether the call can share a program with calls whose dims of one size n
+// >= 2 all change together, where one dim of one size does not cover them
+// (PlanPoly declines or keys the others as static): a [t, t] mask, the
+// [b, h, t, t] scores of attention, bmm's [b, t, d] @ [b, d, t] and
+// [b, t, t] @ [b, t, d]. n is the leader's size(leader_dim), skipped where
+// an earlier dim of the leader has it (one candidate per size). Every tpu
+// tensor with a dim of size n is dynamic along all such dims (offset 0,
+// typed as its storage; contiguous, or read-only a permuted/expanded view
+// of a contiguous block, DenseOrder, whose dims of size n are in memory
+// order or expanded; written ones contiguous and covering their storage); the others
+// are static, and a written tensor must be dynamic. A static dim that
+// happens to be n is marked too: its key then differs from the calls where
+// it does not (a family of its own), and PolySpec's meta kernels at the
+// bucket and bucket + 1 decline a marking the op's shape rules reject
+// (bmm's [8, 16, 16] @ [8, 16, n] at n = 16). Shape rules are equalities
+// and broadcasts between dims, so holding at two extents they hold at
+// every n. Not for layer norm (poly_batch_dims), cat, mm/addmm or flat
+// plans, nor for a marking PlanPoly takes (one dim, at the same place from
+// the end, in every dynamic tensor).
+bool PlanPolyMulti(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                   const lowering::LoweringEntry& entry, int64_t leader_dim, PolyPlan& plan) {
+  if (entry.traits.shape_poly == lowering::PadFill::kNone || entry.traits.needs_rng || entry.traits.poly_flat ||
+      entry.traits.poly_concat || entry.traits.poly_matmul || entry.traits.poly_batch_dims)
+    return false;
+  const auto& args = op.schema().arguments();
+  int16_t leader = -1;
+  const int64_t rank = PolyRank(op, stack, first, leader);
+  if (rank <= leader_dim || rank >= 64) return false;
+  const at::Tensor& lt = stack[first + static_cast<size_t>(leader)].toTensor();
+  const int64_t n = lt.size(leader_dim);
+  if (n < 2) return false;
+  for (int64_t d = 0; d < leader_dim; ++d)
+    if (lt.size(d) == n) return false;  // the same candidate as an earlier dim
+  plan.dynamic.assign(args.size(), 0);
+  std::optional<int64_t> single;  // the one dim from the end every dynamic tensor has, if any
+  bool multi = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = stack[first + i];
+    const bool written = args[i].alias_info() && args[i].alias_info()->isWrite();
+    if (!v.isTensor() || !v.toTensor().defined() || !OnTpu(v.toTensor())) {
+      if (written) return false;
+      continue;
+    }
+    const at::Tensor& t = v.toTensor();
+    std::vector<int64_t> marks;
+    for (int64_t d = 0; d < t.dim(); ++d)
+      if (t.size(d) == n) marks.push_back(d);
+    if (marks.empty()) {
+      if (written) return false;
+      continue;
+    }
+    if (marks.size() > 1 || (single && *single != t.dim() - marks[0])) multi = true;
+    single = t.dim() - marks[0];
+    if (t.storage_offset() != 0 || t.is_conj() || t.is_neg() ||
+        StorageElement(t) != lowering::ToElementType(t.scalar_type()))
+      return false;
+    if (!t.is_contiguous()) {
+      if (written) return false;
+      // A dense block (every dim of size > 1 and stride != 0 in memory
+      // order; DenseOrder is empty for one that is not), its dims of size n
+      // in that order or expanded (read by every index).
+      const std::vector<int64_t> order = DenseOrder(t);
+      for (int64_t d = 0; d < t.dim(); ++d)
+        if (t.size(d) > 1 && t.stride(d) != 0 && std::find(order.begin(), order.end(), d) == order.end())
+          return false;
+    }
+    if (written && static_cast<int64_t>(StorageOf(t).nbytes()) != t.numel() * static_cast<int64_t>(t.element_size()))
+      return false;
+    plan.dynamic[i] = 1;
+  }
+  if (!multi) return false;
+  plan.leader = leader;
+  plan.dim = leader_dim;
+  plan.extent = n;
+  plan.bucket = PolyBucket(n);
+  plan.multi_n = n;
   return true;
 }
 
@@ -1331,7 +1557,7 @@ bool PlanPolyMatmul(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   plan.leader = left;
   plan.dim = 0;
   plan.extent = n;
-  plan.bucket = Capacity(n);
+  plan.bucket = PolyBucket(n);
   return true;
 }
 
@@ -1406,7 +1632,7 @@ bool PlanPolyConcat(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   // such n, so its output buffer is the canonical one of the output's own
   // bucket (Compile) — what the next step's programs (the growing cache's
   // next cat, its readers) declare, so they need no resize.
-  plan.bucket = (Capacity(scale * n + offset) - offset) / scale;
+  plan.bucket = (PolyBucket(scale * n + offset) - offset) / scale;
   return true;
 }
 
@@ -1478,10 +1704,11 @@ bool PlanPolyFlat(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
 // `affine`: {scale, offset} per output.
 CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                   const lowering::LoweringEntry& entry, const PolyPlan& plan, std::vector<int64_t>& dynamic_out,
-                  std::vector<std::pair<int64_t, int64_t>>& affine) {
+                  std::vector<std::pair<int64_t, int64_t>>& affine, std::vector<uint64_t>& masks) {
   CallSpec real = ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);  // raises as the static path
   if (!real.resize_outputs.empty()) throw UnsupportedOp("shape polymorphism: resizes an output");
-  CallSpec at_b = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket, plan.dim);
+  CallSpec at_b = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket, plan.dim, plan.multi_n);
+  masks.assign(real.outputs.size(), 0);
   if (plan.dim < 0) {
     // Flat (PlanPolyFlat): every return is the written leader or a new
     // row-major tensor of the leader's sizes; all are [bucket] here.
@@ -1503,13 +1730,49 @@ CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
     at_b.strides.assign(real.outputs.size(), {});
     return at_b;
   }
-  CallSpec at_b1 = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket + 1, plan.dim);
+  CallSpec at_b1 = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket + 1, plan.dim, plan.multi_n);
   const size_t n = real.outputs.size();
   if (at_b.outputs.size() != n || at_b1.outputs.size() != n || at_b.defined != real.defined ||
       at_b1.defined != real.defined || at_b.return_alias != real.return_alias || !at_b.resize_outputs.empty())
     throw UnsupportedOp("shape polymorphism: outputs change with the extent");
   dynamic_out.assign(n, -1);
   affine.assign(n, {1, 0});
+  if (plan.multi_n > 0) {
+    // Multi-dim (PlanPolyMulti): an output's dims either stay or are the
+    // extent (B, B + 1 and n); written tensors change in exactly their dims
+    // of size n; new outputs are row-major.
+    for (size_t r = 0; r < n; ++r) {
+      if (!real.defined[r]) continue;
+      const auto &sr = real.outputs[r].sizes, &sb = at_b.outputs[r].sizes, &sb1 = at_b1.outputs[r].sizes;
+      if (real.outputs[r].dtype != at_b.outputs[r].dtype || at_b.outputs[r].dtype != at_b1.outputs[r].dtype)
+        throw UnsupportedOp("shape polymorphism: output dtype changes with the extent");
+      if (sb.size() != sr.size() || sb1.size() != sr.size() || sr.size() >= 64)
+        throw UnsupportedOp("shape polymorphism: output rank changes with the extent");
+      uint64_t mask = 0;
+      for (size_t d = 0; d < sr.size(); ++d) {
+        if (sb[d] == sb1[d]) {
+          if (sb[d] != sr[d]) throw UnsupportedOp("shape polymorphism: output sizes change with the extent");
+        } else if (sb[d] == plan.bucket && sb1[d] == plan.bucket + 1 && sr[d] == plan.extent) {
+          mask |= uint64_t{1} << d;
+        } else {
+          throw UnsupportedOp("shape polymorphism: output sizes are not the extent and static dims");
+        }
+      }
+      masks[r] = mask;
+      if (mask) dynamic_out[r] = std::countr_zero(mask);
+      if (const int16_t a = real.return_alias[r]; a >= 0) {
+        const at::Tensor& t = stack[first + static_cast<size_t>(a)].toTensor();
+        uint64_t marks = 0;
+        for (int64_t d = 0; d < t.dim(); ++d)
+          if (t.size(d) == plan.extent) marks |= uint64_t{1} << d;
+        if (marks != mask || mask == 0) throw UnsupportedOp("shape polymorphism: writes a tensor without the dynamic dim");
+      } else if (!real.strides[r].empty()) {
+        throw UnsupportedOp("shape polymorphism: a new output is not row-major");
+      }
+      at_b.strides[r].clear();
+    }
+    return at_b;
+  }
   for (size_t r = 0; r < n; ++r) {
     if (!real.defined[r]) continue;
     const auto &sr = real.outputs[r].sizes, &sb = at_b.outputs[r].sizes, &sb1 = at_b1.outputs[r].sizes;
@@ -1576,7 +1839,8 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
   const CallSignature signature = SignatureOf(op, stack, first, entry.traits.static_scalars);  // before resizes
   std::vector<int64_t> dynamic_out;
   std::vector<std::pair<int64_t, int64_t>> affine;
-  CallSpec spec = plan ? PolySpec(op, stack, first, entry, *plan, dynamic_out, affine)
+  std::vector<uint64_t> masks;  // a multi-dim plan's dynamic output dims
+  CallSpec spec = plan ? PolySpec(op, stack, first, entry, *plan, dynamic_out, affine, masks)
                        : ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);
   if (!plan) ApplyResizes(spec, stack, first);
   compiled->resize_outputs = spec.resize_outputs;
@@ -1593,7 +1857,8 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
                                    plan->num_items,
                                    plan->dim,
                                    plan->dim < 0 ? lowering::PadFill::kAny : entry.traits.shape_poly,
-                                   std::nullopt};
+                                   std::nullopt,
+                                   plan->multi_n};
     compiled->poly_leader = plan->leader;
     compiled->poly_leader_item = plan->leader_item;
     compiled->poly_dim = static_cast<int8_t>(plan->dim);
@@ -1623,9 +1888,12 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     // or for cat the Capacity of a * B + c rows (PlanPolyConcat); at least
     // the tensor's elements for every extent of the bucket.
     int64_t n = Capacity(flat_dims[0]);
-    if (dynamic) {
+    const uint64_t mask = dynamic && plan->multi_n > 0 ? masks[r] : 0;
+    if (mask) {
+      n = flat_dims[0];  // every dynamic dim at the bucket (PolyBufferNumel's numel)
+    } else if (dynamic) {
       const int64_t rows = out.sizes[static_cast<size_t>(dynamic_out[r])];
-      n = rows == 0 ? 0 : flat_dims[0] / rows * Capacity(rows);
+      n = rows == 0 ? 0 : flat_dims[0] / rows * PolyBucket(rows);
     }
     // A permuted dynamic output (PolySpec): AddCall gave its values in
     // memory order, where the dynamic dim is at `physical_dim`.
@@ -1636,9 +1904,10 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
       physical_dim = std::find(order.begin(), order.end(), dynamic_out[r]) - order.begin();
     }
     program_results.push_back(
-        dynamic ? lowering::ResizeFlat(pb.b, pb.PolyWrite(*new_values[r], physical_dim, affine[r].first,
-                                                          affine[r].second), n)
-                : lowering::ResizeFlat(pb.b, pb.b.Reshape(*new_values[r], flat_dims), n));
+        mask      ? pb.MultiWrite(*new_values[r], mask)
+        : dynamic ? lowering::ResizeFlat(pb.b, pb.PolyWrite(*new_values[r], physical_dim, affine[r].first,
+                                                            affine[r].second), n)
+                  : lowering::ResizeFlat(pb.b, pb.b.Reshape(*new_values[r], flat_dims), n));
     OutputSlot slot;
     slot.kind = OutputSlot::Kind::kNewTensor;
     slot.dtype = out.dtype;
@@ -1649,6 +1918,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
     slot.dynamic = dynamic;
     slot.dynamic_dim = static_cast<int8_t>(dynamic ? dynamic_out[r] : 0);
     if (dynamic) std::tie(slot.dynamic_scale, slot.dynamic_offset) = affine[r];
+    slot.dynamic_mask = mask;
     slot.order = std::move(order);
     compiled->returns.push_back({false, static_cast<int16_t>(compiled->outputs.size())});
     compiled->outputs.push_back(std::move(slot));
@@ -2179,9 +2449,15 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
                             : entry.traits.poly_concat || entry.traits.poly_flat || entry.traits.poly_matmul
                                 ? 1
                                 : PolyRank(op, stack, first, poly_leader);
-  for (int64_t candidate = 0; candidate < poly_rank; ++candidate) {
+  // Then one multi-dim candidate per size of the leader's dims
+  // (PlanPolyMulti), after the single-dim ones.
+  const bool multi_on = poly_on && !entry.traits.poly_concat && !entry.traits.poly_flat && !entry.traits.poly_matmul &&
+                        !entry.traits.poly_batch_dims;
+  const int64_t candidates = multi_on ? 2 * poly_rank : poly_rank;
+  for (int64_t candidate = 0; candidate < candidates; ++candidate) {
     PolyPlan plan;
-    if (entry.traits.poly_flat     ? !PlanPolyFlat(op, stack, first, entry, plan)
+    if (candidate >= poly_rank ? !PlanPolyMulti(op, stack, first, entry, candidate - poly_rank, plan)
+        : entry.traits.poly_flat     ? !PlanPolyFlat(op, stack, first, entry, plan)
         : entry.traits.poly_concat  ? !PlanPolyConcat(op, stack, first, entry, plan)
         : entry.traits.poly_matmul  ? !PlanPolyMatmul(op, stack, first, entry, plan)
                                     : !PlanPoly(op, stack, first, entry, candidate, plan))
@@ -2190,9 +2466,9 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     thread_local OpKey poly_key;
     poly_key.op = key.op;
     poly_key.atoms.clear();
-    poly_key.atoms.push_back(dim);
+    poly_key.atoms.push_back(plan.multi_n > 0 ? -2 : dim);
     StorageIds ids;
-    AppendCallKey(op, stack, first, entry, poly_key.atoms, ids, plan.dynamic, -1, dim);
+    AppendCallKey(op, stack, first, entry, poly_key.atoms, ids, plan.dynamic, -1, dim, false, plan.multi_n);
     int* family = &families_[KeyHash(poly_key)];
     if (*family < kPolyAfter) {
       if (*family >= 0) families.push_back(family);
@@ -2203,9 +2479,10 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     poly_key.atoms.push_back(plan.bucket);
     poly_key.atoms.push_back(plan.leader);
     poly_key.atoms.push_back(plan.leader_item);
-    poly_key.atoms.push_back(dim);
+    poly_key.atoms.push_back(plan.multi_n > 0 ? -2 : dim);
     StorageIds poly_ids;
-    AppendCallKey(op, stack, first, entry, poly_key.atoms, poly_ids, plan.dynamic, plan.bucket, dim);
+    AppendCallKey(op, stack, first, entry, poly_key.atoms, poly_ids, plan.dynamic, plan.bucket, dim, false,
+                  plan.multi_n);
     poly_key.hash = KeyHash(poly_key);
     if (auto hit = cache_.Find(poly_key)) {
       metrics.cache_hits++;
@@ -2529,8 +2806,14 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
     if (o.kind == OutputSlot::Kind::kNewTensor && o.dynamic) {
       const at::Tensor& leader = TensorOf(arg_of, 0, op.poly_leader, op.poly_leader_item);
       std::vector<int64_t> sizes = o.sizes;
-      if (op.poly_dim < 0) sizes = leader.sizes().vec();  // flat (PlanPolyFlat): the leader's sizes
-      else sizes[static_cast<size_t>(o.dynamic_dim)] = o.dynamic_scale * leader.size(op.poly_dim) + o.dynamic_offset;
+      if (op.poly_dim < 0) {
+        sizes = leader.sizes().vec();  // flat (PlanPolyFlat): the leader's sizes
+      } else if (o.dynamic_mask) {     // multi-dim (PlanPolyMulti)
+        for (size_t k = 0; k < sizes.size(); ++k)
+          if ((o.dynamic_mask >> k) & 1) sizes[k] = leader.size(op.poly_dim);
+      } else {
+        sizes[static_cast<size_t>(o.dynamic_dim)] = o.dynamic_scale * leader.size(op.poly_dim) + o.dynamic_offset;
+      }
       new_tensors.push_back(WrapBuffer(std::move(sb), sizes, o.dtype, li.device_index, OutputStrides(o, sizes)));
     } else if (o.kind == OutputSlot::Kind::kNewTensor) {
       new_tensors.push_back(WrapBuffer(std::move(sb), o.sizes, o.dtype, li.device_index, o.strides));

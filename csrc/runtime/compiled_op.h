@@ -94,6 +94,9 @@ struct OutputSlot {
   int8_t dynamic_dim = 0;
   int64_t dynamic_scale = 1;    // cat of `scale` dynamic operands ...
   int64_t dynamic_offset = 0;   // ... and static ones of `offset` elements along the dim (PlanPolyConcat)
+  // `dynamic` in a multi-dim plan (PlanPolyMulti): every dim whose bit is
+  // set is the launch's extent (row-major; dynamic_dim is the first).
+  uint64_t dynamic_mask = 0;
   // `dynamic` and permuted (strides not row-major): the dims outermost to
   // innermost in memory (PhysicalOrder); the launch's strides follow it.
   std::vector<int64_t> order;
@@ -183,10 +186,12 @@ struct CompiledOp {
 // Runs the op on meta tensors; throws UnsupportedOp if it cannot.
 // `dynamic` (per argument, may be empty): the tensor arguments marked 1 are
 // seen with size(dim) = `extent` (contiguous); dim < 0: as [extent] (a
-// flat program, whose in-place targets keep their own sizes).
+// flat program, whose in-place targets keep their own sizes). `multi_n` >
+// 0 (a multi-dim plan, PlanPolyMulti): every dim of a marked tensor whose
+// size is multi_n is seen at `extent` instead.
 CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                      bool out_resized_by_numel = false, std::span<const int8_t> dynamic = {},
-                     int64_t extent = 0, int64_t dim = 0);
+                     int64_t extent = 0, int64_t dim = 0, int64_t multi_n = 0);
 void ApplyResizes(const CallSpec& spec, const torch::jit::Stack& stack, size_t first);
 // Resizes each (argument, sizes) of `resizes` as `rule` says.
 void ResizeOuts(const std::vector<std::pair<int16_t, std::vector<int64_t>>>& resizes, OutResize rule,
@@ -254,6 +259,10 @@ class ProgramBuilder {
     int64_t dim = 0;
     lowering::PadFill fill = lowering::PadFill::kAny;
     std::optional<hlo::Value> extent;
+    // > 0: a multi-dim plan (PlanPolyMulti): every dim of a marked tensor
+    // whose size is multi_n (the compiling call's extent) is at the bucket;
+    // such tensors are read and written by gathers (MultiRead/MultiWrite).
+    int64_t multi_n = 0;
   };
   std::optional<Poly> poly;
   // Offset families (DESIGN.md "Shape-polymorphic eager programs",
@@ -275,6 +284,10 @@ class ProgramBuilder {
   // An output of `scale` * extent + `offset` along `dim` (cat) is laid out
   // with runs of that size.
   hlo::Value PolyWrite(hlo::Value value, int64_t dim, int64_t scale = 1, int64_t offset = 0);
+  // Multi-dim plans: `value` (row-major, the dims in `mask` at the bucket)
+  // as a flat buffer of its numel whose prefix is the contiguous tensor
+  // with those dims at the extent (one gather; the rest is zeros).
+  hlo::Value MultiWrite(hlo::Value value, uint64_t mask);
 
   // Lowers one call (arguments at stack[first...]); returns, per return,
   // the value of a new tensor (shaped and typed per `spec`), or nullopt
@@ -301,6 +314,13 @@ class ProgramBuilder {
   // dynamic dim at Capacity(bucket), in elements.
   int64_t PolyBufferNumel(const at::Tensor& t) const;
   hlo::Value PolyRows(const at::Tensor& t, hlo::Value flat);  // a dynamic tensor at the bucket, padding filled
+  // Multi-dim plans: t (contiguous, or a dense permuted/expanded view at
+  // offset 0) read from `flat` at the bucket by one gather whose indices
+  // use t's strides at the runtime extent; padding positions hold 0 or the
+  // plan's fill.
+  hlo::Value MultiRead(const at::Tensor& t, hlo::Value flat);
+  // c * extent^p as an s64 0-d value (a stride or numel at the runtime extent).
+  hlo::Value ExtentTerm(int64_t c, int p);
   // The s64 offset parameter of `use` (runtime_offsets), made at first use.
   hlo::Value OffsetParam(const InputSlot& use);
   // The elements from t's first to its last (runtime_offsets and a nonzero
@@ -576,10 +596,13 @@ struct StorageIds {
 // canonical one, InputSlot::numel).
 // `runtime_offsets` (an offset family's key): a tensor's nonzero storage
 // offset is keyed as -1 (any nonzero offset; zero stays 0).
+// `multi_n` > 0 (a multi-dim plan): every dim of a marked tensor whose size
+// is multi_n is keyed as -16 - extent (a dim marked so, told apart from a
+// static dim of the bucket's size).
 void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                    const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& storage_ids,
                    std::span<const int8_t> dynamic = {}, int64_t extent = 0, int64_t dim = 0,
-                   bool runtime_offsets = false);
+                   bool runtime_offsets = false, int64_t multi_n = 0);
 
 // Whether a tpu tensor argument (or tensor-list item) of the call is a view
 // at a nonzero storage offset (OpCache::Lookup's offset families).
