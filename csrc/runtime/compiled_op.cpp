@@ -215,6 +215,77 @@ std::vector<int64_t> DenseOrder(const at::Tensor& t) {
   return order;
 }
 
+// A read-only tensor of a multi-dim plan (PlanPolyMulti) as a box of a
+// dense block that starts at its storage's first element: the view's dims
+// of size > 1 and stride != 0 in memory order (outermost first), and per
+// place the block's size along it — the next outer stride over this one
+// (>= the view's size: a gap is a static block size), the view's size for
+// the outermost — static, or the extent n (-1) where the view's size and
+// the block's are both n. The strides at any extent follow: view dim k's
+// is c[k] * n^p[k] (the innermost stride times the block sizes inside it;
+// 0 for expanded and size-1 dims), and the block holds numel_c * n^numel_p
+// elements. q, k, v of attention (`split` of a [b, t, 3d] projection, then
+// view and transpose) are boxes of the [b, t, 3d] block at offsets 0, d, 2d.
+// Declines (false) a view that is not such a box, whose offset is not in
+// the static part inside its innermost dynamic block dim (then it would
+// not be one for every n), or that overlaps itself.
+struct BoxLayout {
+  std::vector<int64_t> order, block;
+  std::vector<int64_t> c;
+  std::vector<int> p;
+  int64_t unit = 1, offset = 0, numel_c = 1;
+  int numel_p = 0;
+};
+
+bool BoxOf(const at::Tensor& t, int64_t n, BoxLayout& box) {
+  box = BoxLayout{};
+  const int64_t rank = t.dim();
+  box.c.assign(static_cast<size_t>(rank), 0);
+  box.p.assign(static_cast<size_t>(rank), 0);
+  box.offset = t.storage_offset();
+  for (int64_t d = 0; d < rank; ++d) {
+    if (t.stride(d) < 0) return false;
+    if (t.size(d) > 1 && t.stride(d) != 0) box.order.push_back(d);
+  }
+  if (box.order.empty()) {  // one element, read by every index
+    box.numel_c = box.offset + 1;
+    return true;
+  }
+  std::stable_sort(box.order.begin(), box.order.end(), [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
+  int64_t c = t.stride(box.order.back());
+  int p = 0;
+  box.unit = c;
+  int64_t inner_extent = 0;  // elements the dims inside the innermost dynamic block dim span
+  bool dynamic_seen = false;
+  box.block.assign(box.order.size(), 0);
+  for (size_t i = box.order.size(); i-- > 0;) {
+    const auto d = static_cast<size_t>(box.order[i]);
+    const int64_t size = t.size(static_cast<int64_t>(d)), stride = t.stride(static_cast<int64_t>(d));
+    box.c[d] = c;
+    box.p[d] = p;
+    int64_t bs = size;
+    if (i > 0) {
+      const int64_t outer = t.stride(box.order[i - 1]);
+      if (outer % stride != 0 || outer / stride < size) return false;  // overlapping or not nested
+      bs = outer / stride;
+    }
+    const bool dyn = size == n && bs == n;
+    box.block[i] = dyn ? -1 : bs;
+    if (dyn) {
+      if (!dynamic_seen && box.offset + inner_extent >= stride) return false;  // the offset is not inside
+      dynamic_seen = true;
+      ++p;
+    } else {
+      c *= bs;
+    }
+    if (!dynamic_seen) inner_extent += (size - 1) * stride;
+  }
+  box.numel_c = c;
+  box.numel_p = p;
+  if (!dynamic_seen && box.offset + inner_extent >= c) return false;  // static: inside the block
+  return true;
+}
+
 // Whether argument `arg` (item `item` of a tensor list, or -1) is marked
 // dynamic in a shape-polymorphic plan's `dynamic` span: 1 marks a tensor
 // argument; 2 marks the (one) tensor-list argument, whose items' marks
@@ -252,7 +323,16 @@ void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& 
       else atoms.push_back(dynamic && d == dim ? extent : t.size(d));
     }
   }
-  if (!dynamic) {
+  BoxLayout box;
+  if (dynamic && multi_n > 0 && BoxOf(t, multi_n, box)) {  // its box (PlanPolyMulti): order, static blocks, offset
+    atoms.push_back(-6);
+    for (size_t i = 0; i < box.order.size(); ++i) {
+      atoms.push_back(box.order[i]);
+      atoms.push_back(box.block[i]);
+    }
+    atoms.push_back(box.unit);
+    atoms.push_back(-6);
+  } else if (!dynamic) {
     for (int64_t s : t.strides()) atoms.push_back(s);
   } else if (t.is_contiguous()) {
     atoms.push_back(-3);
@@ -547,9 +627,18 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
       auto at_extent = [&](const at::Tensor& t) {
         std::vector<int64_t> sizes = t.sizes().vec();
         if (dim < 0) return at::empty({extent}, t.options().device(c10::kMeta));  // flat (PlanPolyFlat)
-        if (multi_n > 0) {  // PlanPolyMulti: every dim of the call's extent
+        if (multi_n > 0) {  // PlanPolyMulti: every dim of the call's extent, strides of its box there
           for (auto& s : sizes)
             if (s == multi_n) s = extent;
+          BoxLayout box;
+          if (t.is_contiguous() || !BoxOf(t, multi_n, box)) return at::empty(sizes, t.options().device(c10::kMeta));
+          std::vector<int64_t> strides = t.strides().vec();  // size-1 and expanded dims keep theirs
+          for (int64_t d : box.order) {
+            int64_t stride = box.c[static_cast<size_t>(d)];
+            for (int k = 0; k < box.p[static_cast<size_t>(d)]; ++k) stride *= extent;
+            strides[static_cast<size_t>(d)] = stride;
+          }
+          return at::empty_strided(sizes, strides, t.options().device(c10::kMeta));
         } else {
           sizes[static_cast<size_t>(dim)] = extent;
         }
@@ -845,25 +934,12 @@ hlo::Value ProgramBuilder::MultiRead(const at::Tensor& t, hlo::Value flat) {
       marked[k] = true;
       dims[k] = poly->bucket;
     }
-  std::vector<int64_t> order;
-  if (t.is_contiguous()) {
-    for (int64_t k = 0; k < t.dim(); ++k) order.push_back(k);
-  } else {
-    order = DenseOrder(t);
-  }
-  std::vector<int64_t> c(rank, 0);
-  std::vector<int> p(rank, 0);
-  int64_t cc = 1;
-  int pp = 0;
-  for (size_t i = order.size(); i-- > 0;) {
-    const auto k = static_cast<size_t>(order[i]);
-    c[k] = cc;
-    p[k] = pp;
-    if (marked[k]) ++pp;
-    else cc *= t.size(static_cast<int64_t>(k));
-  }
+  BoxLayout box;
+  if (!BoxOf(t, poly->multi_n, box)) throw std::logic_error("MultiRead: not a box (PlanPolyMulti checked)");
+  const std::vector<int64_t>& c = box.c;
+  const std::vector<int>& p = box.p;
   const hlo::TensorType index{hlo::ElementType::kS64, dims};
-  hlo::Value idx = b.BroadcastInDim(b.ConstantInt(hlo::TensorType{hlo::ElementType::kS64, {}}, 0), dims, {});
+  hlo::Value idx = b.BroadcastInDim(b.ConstantInt(hlo::TensorType{hlo::ElementType::kS64, {}}, box.offset), dims, {});
   std::optional<hlo::Value> inside;
   for (size_t k = 0; k < rank; ++k) {
     if (dims[k] == 1) continue;
@@ -959,6 +1035,11 @@ hlo::Value ProgramBuilder::PolyRows(const at::Tensor& t, hlo::Value flat) {
 
 int64_t ProgramBuilder::PolyBufferNumel(const at::Tensor& t) const {
   if (poly->dim < 0) return poly->bucket;  // flat (PlanPolyFlat): [bucket], bucket = Capacity(numel)
+  if (BoxLayout box; poly->multi_n > 0 && BoxOf(t, poly->multi_n, box)) {  // its block at the bucket
+    int64_t numel = box.numel_c;
+    for (int k = 0; k < box.numel_p; ++k) numel *= poly->bucket;
+    return numel;
+  }
   int64_t numel = 1;
   const std::vector<int64_t> order = t.is_contiguous() ? std::vector<int64_t>{} : DenseOrder(t);
   for (int64_t d = 0; d < t.dim(); ++d) {
@@ -1481,19 +1562,13 @@ bool PlanPolyMulti(const c10::OperatorHandle& op, const torch::jit::Stack& stack
     }
     if (marks.size() > 1 || (single && *single != t.dim() - marks[0])) multi = true;
     single = t.dim() - marks[0];
-    if (t.storage_offset() != 0 || t.is_conj() || t.is_neg() ||
-        StorageElement(t) != lowering::ToElementType(t.scalar_type()))
-      return false;
-    if (!t.is_contiguous()) {
-      if (written) return false;
-      // A dense block (every dim of size > 1 and stride != 0 in memory
-      // order; DenseOrder is empty for one that is not), its dims of size n
-      // in that order or expanded (read by every index).
-      const std::vector<int64_t> order = DenseOrder(t);
-      for (int64_t d = 0; d < t.dim(); ++d)
-        if (t.size(d) > 1 && t.stride(d) != 0 && std::find(order.begin(), order.end(), d) == order.end())
-          return false;
-    }
+    if (t.is_conj() || t.is_neg() || StorageElement(t) != lowering::ToElementType(t.scalar_type())) return false;
+    if (written && (!t.is_contiguous() || t.storage_offset() != 0)) return false;
+    BoxLayout box;
+    if (!BoxOf(t, n, box)) return false;
+    // A view PlanPoly does not take (a box with gaps or at an offset: q, k
+    // and v of attention) makes the plan this one's even with one dim.
+    if (t.storage_offset() != 0 || (!t.is_contiguous() && DenseOrder(t).empty())) multi = true;
     if (written && static_cast<int64_t>(StorageOf(t).nbytes()) != t.numel() * static_cast<int64_t>(t.element_size()))
       return false;
     plan.dynamic[i] = 1;
