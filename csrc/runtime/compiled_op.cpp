@@ -220,8 +220,8 @@ std::vector<int64_t> DenseOrder(const at::Tensor& t) {
 // of size > 1 and stride != 0 in memory order (outermost first), and per
 // place the block's size along it — the next outer stride over this one
 // (>= the view's size: a gap is a static block size), the view's size for
-// the outermost — static, or the extent n (-1) where the view's size and
-// the block's are both n. The strides at any extent follow: view dim k's
+// the outermost — static, or the extent n (-1) where the view's dim is
+// marked (bit d of `marks`) and its size and the block's are both n. The strides at any extent follow: view dim k's
 // is c[k] * n^p[k] (the innermost stride times the block sizes inside it;
 // 0 for expanded and size-1 dims), and the block holds numel_c * n^numel_p
 // elements. q, k, v of attention (`split` of a [b, t, 3d] projection, then
@@ -237,7 +237,7 @@ struct BoxLayout {
   int numel_p = 0;
 };
 
-bool BoxOf(const at::Tensor& t, int64_t n, BoxLayout& box) {
+bool BoxOf(const at::Tensor& t, int64_t n, uint64_t marks, BoxLayout& box) {
   box = BoxLayout{};
   const int64_t rank = t.dim();
   box.c.assign(static_cast<size_t>(rank), 0);
@@ -269,7 +269,7 @@ bool BoxOf(const at::Tensor& t, int64_t n, BoxLayout& box) {
       if (outer % stride != 0 || outer / stride < size) return false;  // overlapping or not nested
       bs = outer / stride;
     }
-    const bool dyn = size == n && bs == n;
+    const bool dyn = ((marks >> d) & 1) && size == n && bs == n;
     box.block[i] = dyn ? -1 : bs;
     if (dyn) {
       if (!dynamic_seen && box.offset + inner_extent >= stride) return false;  // the offset is not inside
@@ -305,10 +305,11 @@ bool PolyMarked(std::span<const int8_t> dynamic, size_t num_args, size_t arg, in
 // dim < 0 (PlanPolyFlat): keyed by `extent` alone, no rank or sizes.
 // `runtime_offsets`: a nonzero storage offset keyed as -1 (an offset
 // family's key; the program reads it at launch, InputSlot::kOffset).
-// multi_n > 0 (PlanPolyMulti): every dim of size multi_n is dynamic, keyed
-// as -16 - extent.
+// multi_n > 0 (PlanPolyMulti): the dims in `marks` (of size multi_n) are
+// dynamic, keyed as -16 - extent.
 void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& ids, bool dynamic = false,
-                  int64_t extent = 0, int64_t dim = 0, bool runtime_offsets = false, int64_t multi_n = 0) {
+                  int64_t extent = 0, int64_t dim = 0, bool runtime_offsets = false, int64_t multi_n = 0,
+                  uint64_t marks = 0) {
   if (!ids.seen.empty() && ids.seen.front()->device_index() != StorageOf(t).device_index())
     throw std::runtime_error("Expected all tensors to be on the same device, but found at least two devices, tpu:" +
                              std::to_string(ids.seen.front()->device_index()) + " and " + t.device().str() + "!");
@@ -319,12 +320,12 @@ void AppendTensor(std::vector<int64_t>& atoms, const at::Tensor& t, StorageIds& 
   } else {
     atoms.push_back(t.dim());
     for (int64_t d = 0; d < t.dim(); ++d) {
-      if (dynamic && multi_n > 0) atoms.push_back(t.size(d) == multi_n ? -16 - extent : t.size(d));
+      if (dynamic && multi_n > 0) atoms.push_back((marks >> d) & 1 ? -16 - extent : t.size(d));
       else atoms.push_back(dynamic && d == dim ? extent : t.size(d));
     }
   }
   BoxLayout box;
-  if (dynamic && multi_n > 0 && BoxOf(t, multi_n, box)) {  // its box (PlanPolyMulti): order, static blocks, offset
+  if (dynamic && multi_n > 0 && BoxOf(t, multi_n, marks, box)) {  // its box (PlanPolyMulti): order, static blocks, offset
     atoms.push_back(-6);
     for (size_t i = 0; i < box.order.size(); ++i) {
       atoms.push_back(box.order[i]);
@@ -384,7 +385,7 @@ int64_t StorageIds::Id(const DeviceStorage* s) {
 void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                    const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& ids,
                    std::span<const int8_t> dynamic, int64_t extent, int64_t dim, bool runtime_offsets,
-                   int64_t multi_n) {
+                   int64_t multi_n, std::span<const uint64_t> marks) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   bool has_f64 = CallHasF64(args, stack, first);
@@ -399,7 +400,7 @@ void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack
       } else if (OnTpu(t)) {
         atoms.push_back(2);
         const bool dyn = PolyMarked(dynamic, args.size(), i, -1);
-        AppendTensor(atoms, t, ids, dyn, extent, dim, runtime_offsets, multi_n);
+        AppendTensor(atoms, t, ids, dyn, extent, dim, runtime_offsets, multi_n, i < marks.size() ? marks[i] : 0);
       } else if (t.dim() == 0 && t.device().is_cpu()) {
         atoms.push_back(3);
         atoms.push_back(static_cast<int64_t>(t.scalar_type()));
@@ -425,7 +426,7 @@ void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack
         if (!OnTpu(t)) DeviceMismatch(t);
         atoms.push_back(2);
         const bool dyn = PolyMarked(dynamic, args.size(), i, static_cast<int64_t>(j));
-        AppendTensor(atoms, t, ids, dyn, extent, dim, runtime_offsets, multi_n);
+        AppendTensor(atoms, t, ids, dyn, extent, dim, runtime_offsets, multi_n, i < marks.size() ? marks[i] : 0);
       }
     } else if (v.isGenerator()) {
       atoms.push_back(5);
@@ -605,7 +606,7 @@ std::vector<int64_t> PhysicalOrder(std::span<const int64_t> sizes, std::span<con
 
 CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                      bool out_resized_by_numel, std::span<const int8_t> dynamic, int64_t extent, int64_t dim,
-                     int64_t multi_n) {
+                     int64_t multi_n, std::span<const uint64_t> marks) {
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   // CPU 0-d tensors stay on the CPU for type promotion; meta kernels that
@@ -624,14 +625,15 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
       }
       // A dynamic tensor at the extent, in its memory order (a permuted
       // view's: the meta kernel then gives the output strides CPU would).
-      auto at_extent = [&](const at::Tensor& t) {
+      auto at_extent = [&](const at::Tensor& t, uint64_t mark) {
         std::vector<int64_t> sizes = t.sizes().vec();
         if (dim < 0) return at::empty({extent}, t.options().device(c10::kMeta));  // flat (PlanPolyFlat)
-        if (multi_n > 0) {  // PlanPolyMulti: every dim of the call's extent, strides of its box there
-          for (auto& s : sizes)
-            if (s == multi_n) s = extent;
+        if (multi_n > 0) {  // PlanPolyMulti: its marked dims at the extent, strides of its box there
+          for (size_t k = 0; k < sizes.size(); ++k)
+            if ((mark >> k) & 1) sizes[k] = extent;
           BoxLayout box;
-          if (t.is_contiguous() || !BoxOf(t, multi_n, box)) return at::empty(sizes, t.options().device(c10::kMeta));
+          if (t.is_contiguous() || !BoxOf(t, multi_n, mark, box))
+            return at::empty(sizes, t.options().device(c10::kMeta));
           std::vector<int64_t> strides = t.strides().vec();  // size-1 and expanded dims keep theirs
           for (int64_t d : box.order) {
             int64_t stride = box.c[static_cast<size_t>(d)];
@@ -653,7 +655,7 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
         return at::empty_strided(sizes, strides, t.options().device(c10::kMeta));
       };
       if (PolyMarked(dynamic, args.size(), i, -1)) {  // a bucketed dim (shape polymorphism)
-        meta_stack.push_back(at_extent(v.toTensor()));
+        meta_stack.push_back(at_extent(v.toTensor(), i < marks.size() ? marks[i] : 0));
         continue;
       }
       if (i < dynamic.size() && dynamic[i] == 2) {  // a tensor list with bucketed items (PlanPolyConcat)
@@ -661,7 +663,7 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
         const auto& items = v.toListRef();
         for (size_t j = 0; j < items.size(); ++j)
           list.push_back(PolyMarked(dynamic, args.size(), i, static_cast<int64_t>(j))
-                             ? at_extent(items[j].toTensor())
+                             ? at_extent(items[j].toTensor(), 0)
                              : metas.Make(items[j].toTensor()));
         meta_stack.push_back(list);
         continue;
@@ -735,8 +737,9 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
       if (dim < 0) {
         target_sizes = {extent};
       } else if (multi_n > 0) {
-        for (auto& s : target_sizes)
-          if (s == multi_n) s = extent;
+        const uint64_t mark = static_cast<size_t>(a) < marks.size() ? marks[static_cast<size_t>(a)] : 0;
+        for (size_t k = 0; k < target_sizes.size(); ++k)
+          if ((mark >> k) & 1) target_sizes[k] = extent;
       } else {
         target_sizes[static_cast<size_t>(dim)] = extent;
       }
@@ -884,6 +887,11 @@ bool ProgramBuilder::PolyDynamic(const InputSlot& use) const {
   return PolyMarked(poly->dynamic, num_args, static_cast<size_t>(use.arg), use.item);
 }
 
+uint64_t ProgramBuilder::PolyMarks(const InputSlot& use) const {
+  if (!poly || use.arg < 0 || use.item >= 0 || static_cast<size_t>(use.arg) >= poly->marks.size()) return 0;
+  return poly->marks[static_cast<size_t>(use.arg)];
+}
+
 hlo::Value ProgramBuilder::PolyWrite(hlo::Value value, int64_t dim, int64_t scale, int64_t offset) {
   const std::vector<int64_t> dims = value.dims();
   int64_t outer = 1;
@@ -925,17 +933,17 @@ hlo::Value ProgramBuilder::ExtentTerm(int64_t c, int p) {
 // value at that index; positions past n along any dynamic dim read index 0
 // and are then replaced by 0 or the plan's fill. Every index is below the
 // tensor's numel at n, so in bounds of any buffer that holds it.
-hlo::Value ProgramBuilder::MultiRead(const at::Tensor& t, hlo::Value flat) {
+hlo::Value ProgramBuilder::MultiRead(const at::Tensor& t, hlo::Value flat, uint64_t marks) {
   const size_t rank = static_cast<size_t>(t.dim());
   std::vector<int64_t> dims = t.sizes().vec();
   std::vector<bool> marked(rank, false);
   for (size_t k = 0; k < rank; ++k)
-    if (dims[k] == poly->multi_n) {
+    if ((marks >> k) & 1) {
       marked[k] = true;
       dims[k] = poly->bucket;
     }
   BoxLayout box;
-  if (!BoxOf(t, poly->multi_n, box)) throw std::logic_error("MultiRead: not a box (PlanPolyMulti checked)");
+  if (!BoxOf(t, poly->multi_n, marks, box)) throw std::logic_error("MultiRead: not a box (PlanPolyMulti checked)");
   const std::vector<int64_t>& c = box.c;
   const std::vector<int>& p = box.p;
   const hlo::TensorType index{hlo::ElementType::kS64, dims};
@@ -1001,9 +1009,9 @@ hlo::Value ProgramBuilder::MultiWrite(hlo::Value value, uint64_t mask) {
   return b.Gather(flat, b.Reshape(src, idx_dims), g, slice_sizes, hlo::TensorType{flat.element(), {numel}});
 }
 
-hlo::Value ProgramBuilder::PolyRows(const at::Tensor& t, hlo::Value flat) {
+hlo::Value ProgramBuilder::PolyRows(const at::Tensor& t, hlo::Value flat, uint64_t marks) {
   if (poly->dim < 0) return PolyRead(flat, std::vector<int64_t>{poly->bucket}, 0);  // flat (PlanPolyFlat)
-  if (poly->multi_n > 0) return MultiRead(t, flat);
+  if (poly->multi_n > 0) return MultiRead(t, flat, marks);
   std::vector<int64_t> dims = t.sizes().vec();
   dims[static_cast<size_t>(poly->dim)] = poly->bucket;
   hlo::Value x;
@@ -1033,9 +1041,9 @@ hlo::Value ProgramBuilder::PolyRows(const at::Tensor& t, hlo::Value flat) {
   return b.Select(b.Compare(row, n, hlo::CompareDirection::kLT), x, FillConstant(b, x.element(), poly->fill, dims));
 }
 
-int64_t ProgramBuilder::PolyBufferNumel(const at::Tensor& t) const {
+int64_t ProgramBuilder::PolyBufferNumel(const at::Tensor& t, uint64_t marks) const {
   if (poly->dim < 0) return poly->bucket;  // flat (PlanPolyFlat): [bucket], bucket = Capacity(numel)
-  if (BoxLayout box; poly->multi_n > 0 && BoxOf(t, poly->multi_n, box)) {  // its block at the bucket
+  if (BoxLayout box; poly->multi_n > 0 && BoxOf(t, poly->multi_n, marks, box)) {  // its block at the bucket
     int64_t numel = box.numel_c;
     for (int k = 0; k < box.numel_p; ++k) numel *= poly->bucket;
     return numel;
@@ -1044,7 +1052,7 @@ int64_t ProgramBuilder::PolyBufferNumel(const at::Tensor& t) const {
   const std::vector<int64_t> order = t.is_contiguous() ? std::vector<int64_t>{} : DenseOrder(t);
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (!t.is_contiguous() && std::find(order.begin(), order.end(), d) == order.end()) continue;
-    const bool dynamic = poly->multi_n > 0 ? t.size(d) == poly->multi_n : d == poly->dim;
+    const bool dynamic = poly->multi_n > 0 ? ((marks >> d) & 1) != 0 : d == poly->dim;
     numel *= dynamic ? PolyBucket(poly->bucket) : t.size(d);
   }
   return numel;
@@ -1055,14 +1063,14 @@ hlo::Value ProgramBuilder::ReadTensor(const at::Tensor& t, const InputSlot& use)
   if (PolyDynamic(use)) {  // same element type: PlanPoly checked
     // The parameter is the canonical buffer at the bucket, whatever buffer
     // the storage has now (the launch resizes it): one program per bucket.
-    const int64_t numel = PolyBufferNumel(t);
+    const int64_t numel = PolyBufferNumel(t, PolyMarks(use));
     if (!st.param && !st.current) {
       st.numel = numel;
       st.poly = true;
     } else if (!st.poly || st.numel != numel) {
       throw UnsupportedOp("shape polymorphism: a storage read at two layouts");
     }
-    return PolyRows(t, ReadFlat(st));
+    return PolyRows(t, ReadFlat(st), PolyMarks(use));
   }
   if (st.poly) throw UnsupportedOp("shape polymorphism: a storage read with and without the dynamic dim");
   hlo::Value flat = lowering::ReinterpretFlat(b, ReadFlat(st), lowering::ToElementType(t.scalar_type()));
@@ -1117,22 +1125,19 @@ void ProgramBuilder::WriteTensor(const at::Tensor& t, const InputSlot& use, hlo:
       return;
     }
     std::vector<int64_t> dims = t.sizes().vec();
-    if (poly->multi_n > 0) {  // PlanPolyMulti: contiguous, every dim of the extent at the bucket
-      uint64_t mask = 0;
+    if (poly->multi_n > 0) {  // PlanPolyMulti: contiguous, its marked dims at the bucket
+      const uint64_t mask = PolyMarks(use);
       for (size_t k = 0; k < dims.size(); ++k)
-        if (dims[k] == poly->multi_n) {
-          dims[k] = poly->bucket;
-          mask |= uint64_t{1} << k;
-        }
+        if ((mask >> k) & 1) dims[k] = poly->bucket;
       st.current = lowering::ResizeFlat(b, MultiWrite(lowering::Prepare(b, value, t.scalar_type(), dims), mask),
-                                        PolyBufferNumel(t));
+                                        PolyBufferNumel(t, mask));
       return;
     }
     dims[static_cast<size_t>(poly->dim)] = poly->bucket;
     // The canonical buffer at the bucket (PolyBufferNumel), as a new
     // dynamic output's: the storage's next readers at this bucket declare it.
     st.current = lowering::ResizeFlat(b, PolyWrite(lowering::Prepare(b, value, t.scalar_type(), dims), poly->dim),
-                                      PolyBufferNumel(t));
+                                      PolyBufferNumel(t, 0));
     return;
   }
   value = lowering::Prepare(b, value, t.scalar_type(), t.sizes().vec());
@@ -1424,7 +1429,8 @@ struct PolyPlan {
   int64_t dim = 0;              // the dynamic dim of the highest-rank tensors
   int64_t extent = 0;           // this call's
   int64_t bucket = 0;           // Capacity(extent)
-  int64_t multi_n = 0;          // > 0: every dim of size extent is dynamic (PlanPolyMulti)
+  int64_t multi_n = 0;          // > 0: a multi-dim plan (PlanPolyMulti), extent = multi_n
+  std::vector<uint64_t> marks;  // multi-dim: per argument, its dynamic dims (of size extent)
 };
 
 // The highest rank among the call's tpu tensors (0: none, or a tensor-list
@@ -1529,7 +1535,9 @@ bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, siz
 // plans, nor for a marking PlanPoly takes (one dim, at the same place from
 // the end, in every dynamic tensor).
 bool PlanPolyMulti(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
-                   const lowering::LoweringEntry& entry, int64_t leader_dim, PolyPlan& plan) {
+                   const lowering::LoweringEntry& entry, int64_t leader_dim, size_t subset, PolyPlan& plan,
+                   size_t* num_subsets) {
+  *num_subsets = 0;
   if (entry.traits.shape_poly == lowering::PadFill::kNone || entry.traits.needs_rng || entry.traits.poly_flat ||
       entry.traits.poly_concat || entry.traits.poly_matmul || entry.traits.poly_batch_dims)
     return false;
@@ -1542,6 +1550,30 @@ bool PlanPolyMulti(const c10::OperatorHandle& op, const torch::jit::Stack& stack
   if (n < 2) return false;
   for (int64_t d = 0; d < leader_dim; ++d)
     if (lt.size(d) == n) return false;  // the same candidate as an earlier dim
+  // Every (argument, dim) of size n, in order; the subset marks some of them.
+  std::vector<std::pair<size_t, int64_t>> all;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = stack[first + i];
+    if (!v.isTensor() || !v.toTensor().defined() || !OnTpu(v.toTensor())) continue;
+    for (int64_t d = 0; d < v.toTensor().dim(); ++d)
+      if (v.toTensor().size(d) == n) all.emplace_back(i, d);
+  }
+  // Subsets by decreasing size, all of them first; every one for at most 8
+  // dims of size n.
+  const size_t k = all.size();
+  *num_subsets = k <= 8 ? (size_t{1} << k) - 1 : 1;
+  if (subset >= *num_subsets) return false;
+  uint64_t chosen = (uint64_t{1} << std::min<size_t>(k, 63)) - 1;
+  if (k <= 8) {
+    std::vector<uint64_t> order;
+    for (uint64_t m = (uint64_t{1} << k) - 1; m > 0; --m) order.push_back(m);
+    std::stable_sort(order.begin(), order.end(), [](uint64_t a, uint64_t b) { return std::popcount(a) > std::popcount(b); });
+    chosen = order[subset];
+  }
+  plan.marks.assign(args.size(), 0);
+  for (size_t j = 0; j < k; ++j)
+    if ((chosen >> j) & 1) plan.marks[all[j].first] |= uint64_t{1} << all[j].second;
+  if (plan.marks[static_cast<size_t>(leader)] == 0) return false;  // the extent is read from the leader
   plan.dynamic.assign(args.size(), 0);
   std::optional<int64_t> single;  // the one dim from the end every dynamic tensor has, if any
   bool multi = false;
@@ -1553,19 +1585,18 @@ bool PlanPolyMulti(const c10::OperatorHandle& op, const torch::jit::Stack& stack
       continue;
     }
     const at::Tensor& t = v.toTensor();
-    std::vector<int64_t> marks;
-    for (int64_t d = 0; d < t.dim(); ++d)
-      if (t.size(d) == n) marks.push_back(d);
-    if (marks.empty()) {
+    const uint64_t marks = plan.marks[i];
+    if (marks == 0) {
       if (written) return false;
       continue;
     }
-    if (marks.size() > 1 || (single && *single != t.dim() - marks[0])) multi = true;
-    single = t.dim() - marks[0];
+    const int64_t lowest = std::countr_zero(marks);
+    if (std::popcount(marks) > 1 || (single && *single != t.dim() - lowest)) multi = true;
+    single = t.dim() - lowest;
     if (t.is_conj() || t.is_neg() || StorageElement(t) != lowering::ToElementType(t.scalar_type())) return false;
     if (written && (!t.is_contiguous() || t.storage_offset() != 0)) return false;
     BoxLayout box;
-    if (!BoxOf(t, n, box)) return false;
+    if (!BoxOf(t, n, marks, box)) return false;
     // A view PlanPoly does not take (a box with gaps or at an offset: q, k
     // and v of attention) makes the plan this one's even with one dim.
     if (t.storage_offset() != 0 || (!t.is_contiguous() && DenseOrder(t).empty())) multi = true;
@@ -1575,7 +1606,7 @@ bool PlanPolyMulti(const c10::OperatorHandle& op, const torch::jit::Stack& stack
   }
   if (!multi) return false;
   plan.leader = leader;
-  plan.dim = leader_dim;
+  plan.dim = std::countr_zero(plan.marks[static_cast<size_t>(leader)]);
   plan.extent = n;
   plan.bucket = PolyBucket(n);
   plan.multi_n = n;
@@ -1782,7 +1813,8 @@ CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
                   std::vector<std::pair<int64_t, int64_t>>& affine, std::vector<uint64_t>& masks) {
   CallSpec real = ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);  // raises as the static path
   if (!real.resize_outputs.empty()) throw UnsupportedOp("shape polymorphism: resizes an output");
-  CallSpec at_b = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket, plan.dim, plan.multi_n);
+  CallSpec at_b =
+      ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket, plan.dim, plan.multi_n, plan.marks);
   masks.assign(real.outputs.size(), 0);
   if (plan.dim < 0) {
     // Flat (PlanPolyFlat): every return is the written leader or a new
@@ -1805,7 +1837,8 @@ CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
     at_b.strides.assign(real.outputs.size(), {});
     return at_b;
   }
-  CallSpec at_b1 = ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket + 1, plan.dim, plan.multi_n);
+  CallSpec at_b1 =
+      ComputeSpec(op, stack, first, false, plan.dynamic, plan.bucket + 1, plan.dim, plan.multi_n, plan.marks);
   const size_t n = real.outputs.size();
   if (at_b.outputs.size() != n || at_b1.outputs.size() != n || at_b.defined != real.defined ||
       at_b1.defined != real.defined || at_b.return_alias != real.return_alias || !at_b.resize_outputs.empty())
@@ -1836,10 +1869,7 @@ CallSpec PolySpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
       masks[r] = mask;
       if (mask) dynamic_out[r] = std::countr_zero(mask);
       if (const int16_t a = real.return_alias[r]; a >= 0) {
-        const at::Tensor& t = stack[first + static_cast<size_t>(a)].toTensor();
-        uint64_t marks = 0;
-        for (int64_t d = 0; d < t.dim(); ++d)
-          if (t.size(d) == plan.extent) marks |= uint64_t{1} << d;
+        const uint64_t marks = plan.marks[static_cast<size_t>(a)];
         if (marks != mask || mask == 0) throw UnsupportedOp("shape polymorphism: writes a tensor without the dynamic dim");
       } else if (!real.strides[r].empty()) {
         throw UnsupportedOp("shape polymorphism: a new output is not row-major");
@@ -1933,7 +1963,8 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
                                    plan->dim,
                                    plan->dim < 0 ? lowering::PadFill::kAny : entry.traits.shape_poly,
                                    std::nullopt,
-                                   plan->multi_n};
+                                   plan->multi_n,
+                                   plan->marks};
     compiled->poly_leader = plan->leader;
     compiled->poly_leader_item = plan->leader_item;
     compiled->poly_dim = static_cast<int8_t>(plan->dim);
@@ -2524,26 +2555,42 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
                             : entry.traits.poly_concat || entry.traits.poly_flat || entry.traits.poly_matmul
                                 ? 1
                                 : PolyRank(op, stack, first, poly_leader);
-  // Then one multi-dim candidate per size of the leader's dims
-  // (PlanPolyMulti), after the single-dim ones.
+  // Then the multi-dim candidates (PlanPolyMulti), after the single-dim
+  // ones: per size n of the leader's dims, every subset of the dims of
+  // size n, all of them first. A subset finds the family of the calls
+  // where a static dim is not n: at n = 16, [2, 4, 16, 16] of q with head
+  // dim 16 is marked {2} as at every other n; at n = 2, [2, 4, 2, 2]
+  // scores with batch 2 are marked {2, 3}.
   const bool multi_on = poly_on && !entry.traits.poly_concat && !entry.traits.poly_flat && !entry.traits.poly_matmul &&
                         !entry.traits.poly_batch_dims;
-  const int64_t candidates = multi_on ? 2 * poly_rank : poly_rank;
-  for (int64_t candidate = 0; candidate < candidates; ++candidate) {
+  int64_t multi_dim = 0;
+  size_t subset = 0;
+  for (int64_t candidate = 0;; ++candidate) {
     PolyPlan plan;
-    if (candidate >= poly_rank ? !PlanPolyMulti(op, stack, first, entry, candidate - poly_rank, plan)
-        : entry.traits.poly_flat     ? !PlanPolyFlat(op, stack, first, entry, plan)
-        : entry.traits.poly_concat  ? !PlanPolyConcat(op, stack, first, entry, plan)
-        : entry.traits.poly_matmul  ? !PlanPolyMatmul(op, stack, first, entry, plan)
-                                    : !PlanPoly(op, stack, first, entry, candidate, plan))
-      continue;
+    bool planned;
+    if (candidate < poly_rank) {
+      planned = entry.traits.poly_flat     ? PlanPolyFlat(op, stack, first, entry, plan)
+                : entry.traits.poly_concat ? PlanPolyConcat(op, stack, first, entry, plan)
+                : entry.traits.poly_matmul ? PlanPolyMatmul(op, stack, first, entry, plan)
+                                           : PlanPoly(op, stack, first, entry, candidate, plan);
+    } else {
+      if (!multi_on || multi_dim >= poly_rank) break;
+      size_t subsets = 0;
+      planned = PlanPolyMulti(op, stack, first, entry, multi_dim, subset, plan, &subsets);
+      if (++subset >= subsets) {
+        ++multi_dim;
+        subset = 0;
+      }
+    }
+    if (!planned) continue;
     const int64_t dim = plan.dim;
     thread_local OpKey poly_key;
     poly_key.op = key.op;
     poly_key.atoms.clear();
     poly_key.atoms.push_back(plan.multi_n > 0 ? -2 : dim);
     StorageIds ids;
-    AppendCallKey(op, stack, first, entry, poly_key.atoms, ids, plan.dynamic, -1, dim, false, plan.multi_n);
+    AppendCallKey(op, stack, first, entry, poly_key.atoms, ids, plan.dynamic, -1, dim, false, plan.multi_n,
+                  plan.marks);
     int* family = &families_[KeyHash(poly_key)];
     if (*family < kPolyAfter) {
       if (*family >= 0) families.push_back(family);
@@ -2557,7 +2604,7 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     poly_key.atoms.push_back(plan.multi_n > 0 ? -2 : dim);
     StorageIds poly_ids;
     AppendCallKey(op, stack, first, entry, poly_key.atoms, poly_ids, plan.dynamic, plan.bucket, dim, false,
-                  plan.multi_n);
+                  plan.multi_n, plan.marks);
     poly_key.hash = KeyHash(poly_key);
     if (auto hit = cache_.Find(poly_key)) {
       metrics.cache_hits++;

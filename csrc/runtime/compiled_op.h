@@ -187,11 +187,12 @@ struct CompiledOp {
 // `dynamic` (per argument, may be empty): the tensor arguments marked 1 are
 // seen with size(dim) = `extent` (contiguous); dim < 0: as [extent] (a
 // flat program, whose in-place targets keep their own sizes). `multi_n` >
-// 0 (a multi-dim plan, PlanPolyMulti): every dim of a marked tensor whose
-// size is multi_n is seen at `extent` instead.
+// 0 (a multi-dim plan, PlanPolyMulti): the dims in `marks` (per argument,
+// a bitmask of dims of size multi_n) are seen at `extent` instead.
 CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                      bool out_resized_by_numel = false, std::span<const int8_t> dynamic = {},
-                     int64_t extent = 0, int64_t dim = 0, int64_t multi_n = 0);
+                     int64_t extent = 0, int64_t dim = 0, int64_t multi_n = 0,
+                     std::span<const uint64_t> marks = {});
 void ApplyResizes(const CallSpec& spec, const torch::jit::Stack& stack, size_t first);
 // Resizes each (argument, sizes) of `resizes` as `rule` says.
 void ResizeOuts(const std::vector<std::pair<int16_t, std::vector<int64_t>>>& resizes, OutResize rule,
@@ -259,10 +260,12 @@ class ProgramBuilder {
     int64_t dim = 0;
     lowering::PadFill fill = lowering::PadFill::kAny;
     std::optional<hlo::Value> extent;
-    // > 0: a multi-dim plan (PlanPolyMulti): every dim of a marked tensor
-    // whose size is multi_n (the compiling call's extent) is at the bucket;
-    // such tensors are read and written by gathers (MultiRead/MultiWrite).
+    // > 0: a multi-dim plan (PlanPolyMulti): the dims in `marks` (per
+    // argument, a bitmask of dims of size multi_n, the compiling call's
+    // extent) are at the bucket; such tensors are read and written by
+    // gathers (MultiRead/MultiWrite).
     int64_t multi_n = 0;
+    std::vector<uint64_t> marks;
   };
   std::optional<Poly> poly;
   // Offset families (DESIGN.md "Shape-polymorphic eager programs",
@@ -312,13 +315,15 @@ class ProgramBuilder {
   // The canonical buffer of a dynamic tensor at the bucket (the parameter's
   // size whatever the storage's buffer is): its contiguous block with the
   // dynamic dim at Capacity(bucket), in elements.
-  int64_t PolyBufferNumel(const at::Tensor& t) const;
-  hlo::Value PolyRows(const at::Tensor& t, hlo::Value flat);  // a dynamic tensor at the bucket, padding filled
+  int64_t PolyBufferNumel(const at::Tensor& t, uint64_t marks) const;
+  // A dynamic tensor at the bucket, padding filled; `marks`: its marked dims (multi-dim plans).
+  hlo::Value PolyRows(const at::Tensor& t, hlo::Value flat, uint64_t marks);
+  uint64_t PolyMarks(const InputSlot& use) const;  // a multi-dim plan's marked dims of an argument
   // Multi-dim plans: t (contiguous, or a dense permuted/expanded view at
   // offset 0) read from `flat` at the bucket by one gather whose indices
   // use t's strides at the runtime extent; padding positions hold 0 or the
   // plan's fill.
-  hlo::Value MultiRead(const at::Tensor& t, hlo::Value flat);
+  hlo::Value MultiRead(const at::Tensor& t, hlo::Value flat, uint64_t marks);
   // c * extent^p as an s64 0-d value (a stride or numel at the runtime extent).
   hlo::Value ExtentTerm(int64_t c, int p);
   // The s64 offset parameter of `use` (runtime_offsets), made at first use.
@@ -596,13 +601,13 @@ struct StorageIds {
 // canonical one, InputSlot::numel).
 // `runtime_offsets` (an offset family's key): a tensor's nonzero storage
 // offset is keyed as -1 (any nonzero offset; zero stays 0).
-// `multi_n` > 0 (a multi-dim plan): every dim of a marked tensor whose size
-// is multi_n is keyed as -16 - extent (a dim marked so, told apart from a
-// static dim of the bucket's size).
+// `multi_n` > 0 (a multi-dim plan): the dims in `marks` (per argument, a
+// bitmask of dims of size multi_n) are keyed as -16 - extent (a dim marked
+// so, told apart from a static dim of the bucket's size).
 void AppendCallKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                    const lowering::LoweringEntry& entry, std::vector<int64_t>& atoms, StorageIds& storage_ids,
                    std::span<const int8_t> dynamic = {}, int64_t extent = 0, int64_t dim = 0,
-                   bool runtime_offsets = false, int64_t multi_n = 0);
+                   bool runtime_offsets = false, int64_t multi_n = 0, std::span<const uint64_t> marks = {});
 
 // Whether a tpu tensor argument (or tensor-list item) of the call is a view
 // at a nonzero storage offset (OpCache::Lookup's offset families).

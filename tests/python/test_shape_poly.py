@@ -1158,9 +1158,10 @@ def test_multi_dim_families(mode, tmp_path):
     0, 32, 64, transposed: boxes with gaps, copied by matmul's clone) —
     share a program per power-of-two bucket (PlanPolyMulti; before: one per
     length). 10 lengths in buckets 16, 32, 64, two passes, fresh process and
-    empty cache: each op site compiles at most kPolyAfter exact programs (plus
-    n = 2 and n = 16, where static dims of those sizes are marked too: other
-    families) and one per bucket; values
+    empty cache: each op site compiles at most kPolyAfter exact programs and
+    one per bucket (n = 2 and n = 16, where static dims of those sizes —
+    batch, heads, head dim — are n too, find the family by marking a subset
+    of those dims); values
     are CPU's (float64 within 1e-12; NaN where CPU has it; int64 exact)."""
     r = run_python(f"mode = {mode!r}\n" + MULTI_DIM, env={"TORCH_TPU_CACHE_DIR": str(tmp_path)}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -1172,5 +1173,5 @@ def test_multi_dim_families(mode, tmp_path):
     for name, n in out["compiles"].items():
         # 10 lengths: 10 compiles per site before (clone: q, k^T and v of the attention)
         sites = {"aten::bmm": 4, "aten::sum": 2, "aten::_softmax": 2, "aten::clone": 3}.get(name, 1)
-        assert n <= sites * (4 + len(buckets)), (name, out["compiles"])
+        assert n <= sites * (2 + len(buckets)), (name, out["compiles"])
     assert out["compiles"]["aten::_softmax"] >= 1 and out["compiles"]["aten::bmm"] >= 2, out
