@@ -1558,18 +1558,23 @@ bool PlanPolyMulti(const c10::OperatorHandle& op, const torch::jit::Stack& stack
     for (int64_t d = 0; d < v.toTensor().dim(); ++d)
       if (v.toTensor().size(d) == n) all.emplace_back(i, d);
   }
-  // Subsets by decreasing size, all of them first; every one for at most 8
-  // dims of size n.
+  // Subsets by decreasing size, all of them first; every one for at most
+  // kMaxSubsetDims dims of size n (63 subsets), else all of them only.
+  constexpr size_t kMaxSubsetDims = 6;
+  static const auto* subset_orders = [] {
+    auto* orders = new std::vector<std::vector<uint64_t>>(kMaxSubsetDims + 1);
+    for (size_t bits = 0; bits <= kMaxSubsetDims; ++bits) {
+      auto& order = (*orders)[bits];
+      for (uint64_t m = (uint64_t{1} << bits) - 1; m > 0; --m) order.push_back(m);
+      std::stable_sort(order.begin(), order.end(),
+                       [](uint64_t a, uint64_t b) { return std::popcount(a) > std::popcount(b); });
+    }
+    return orders;
+  }();
   const size_t k = all.size();
-  *num_subsets = k <= 8 ? (size_t{1} << k) - 1 : 1;
+  *num_subsets = k <= kMaxSubsetDims ? (size_t{1} << k) - 1 : 1;
   if (subset >= *num_subsets) return false;
-  uint64_t chosen = (uint64_t{1} << std::min<size_t>(k, 63)) - 1;
-  if (k <= 8) {
-    std::vector<uint64_t> order;
-    for (uint64_t m = (uint64_t{1} << k) - 1; m > 0; --m) order.push_back(m);
-    std::stable_sort(order.begin(), order.end(), [](uint64_t a, uint64_t b) { return std::popcount(a) > std::popcount(b); });
-    chosen = order[subset];
-  }
+  const uint64_t chosen = k <= kMaxSubsetDims ? (*subset_orders)[k][subset] : (uint64_t{1} << std::min<size_t>(k, 63)) - 1;
   plan.marks.assign(args.size(), 0);
   for (size_t j = 0; j < k; ++j)
     if ((chosen >> j) & 1) plan.marks[all[j].first] |= uint64_t{1} << all[j].second;
