@@ -186,14 +186,25 @@ void AppendStatic(std::vector<int64_t>& atoms, const c10::IValue& v) {
 }
 
 
-// The bucket of extent n >= 1 of a shape family: the next power of two, at
-// least 16 (as torch.compile's buckets, _dynamic.py). Capacity's eighth-
-// octave steps (storage buffers: at most 12.5% over) were tried first and
-// cost a program per step: 9 buckets for issue 12's lengths 1..65, 12 for
-// a linear's 2..130 rows (a transformer block's 20 lengths: 322 compiles
-// over two passes; powers of two: 172). A bucket's buffers and compute are
-// then at most 2x the tensor's per dynamic dim for n > 16.
-int64_t PolyBucket(int64_t n) {
+// The bucket of extent n >= 1 of a shape family (OpCache::Lookup): the
+// next power of two, at least 16 (as torch.compile's buckets, _dynamic.py)
+// where `wide`, else Capacity(n). Capacity's eighth-octave steps cost a
+// program per step: 9 buckets over issue 12's lengths 1..65 and 12 over a
+// linear's 2..130 rows (a transformer block's 20 lengths: 322 compiles over
+// two passes; powers of two: 172); buffers and compute are then under 2x
+// the tensor's per dynamic dim for n > 16 (Capacity's: 12.5%). But a
+// family read at its leading dim (nothing before it) with Capacity buckets
+// reads and writes the very buffer an upload or an exact program gives its
+// storage (Capacity of the numel); powers of two there made a DDP step's
+// flat gradient buckets (9216, 262144, 264708 elements: bucket 524288)
+// resize to the bucket and back every step, and compile new copy_ programs
+// for four steps (test_dist_compile.py::test_ddp_optimizer). So `wide` is:
+// the family's extents span an octave (a range of lengths, not a static
+// set of shapes within one), and its buffers are not the storage's anyway
+// (a multi-dim plan, dims before the dynamic one, or mm/addmm's rows,
+// whose left matrix is a view of [b, t, d] activations).
+int64_t PolyBucket(int64_t n, bool wide) {
+  if (!wide) return Capacity(n);
   return n <= 16 ? 16 : static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(n)));
 }
 
@@ -1053,7 +1064,7 @@ int64_t ProgramBuilder::PolyBufferNumel(const at::Tensor& t, uint64_t marks) con
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (!t.is_contiguous() && std::find(order.begin(), order.end(), d) == order.end()) continue;
     const bool dynamic = poly->multi_n > 0 ? ((marks >> d) & 1) != 0 : d == poly->dim;
-    numel *= dynamic ? PolyBucket(poly->bucket) : t.size(d);
+    numel *= dynamic ? Capacity(poly->bucket) : t.size(d);
   }
   return numel;
 }
@@ -1429,6 +1440,8 @@ struct PolyPlan {
   int64_t dim = 0;              // the dynamic dim of the highest-rank tensors
   int64_t extent = 0;           // this call's
   int64_t bucket = 0;           // Capacity(extent)
+  int64_t rows_scale = 1;       // cat: bucketed by its output's rows_scale * extent + rows_offset
+  int64_t rows_offset = 0;
   int64_t multi_n = 0;          // > 0: a multi-dim plan (PlanPolyMulti), extent = multi_n
   std::vector<uint64_t> marks;  // multi-dim: per argument, its dynamic dims (of size extent)
 };
@@ -1511,7 +1524,7 @@ bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, siz
   plan.leader = leader;
   plan.dim = dim;
   plan.extent = n;
-  plan.bucket = PolyBucket(n);
+  plan.bucket = Capacity(n);  // PolyBucket's rule, once the family is known (OpCache::Lookup)
   return true;
 }
 
@@ -1613,7 +1626,7 @@ bool PlanPolyMulti(const c10::OperatorHandle& op, const torch::jit::Stack& stack
   plan.leader = leader;
   plan.dim = std::countr_zero(plan.marks[static_cast<size_t>(leader)]);
   plan.extent = n;
-  plan.bucket = PolyBucket(n);
+  plan.bucket = Capacity(n);  // PolyBucket's rule, once the family is known (OpCache::Lookup)
   plan.multi_n = n;
   return true;
 }
@@ -1668,7 +1681,7 @@ bool PlanPolyMatmul(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   plan.leader = left;
   plan.dim = 0;
   plan.extent = n;
-  plan.bucket = PolyBucket(n);
+  plan.bucket = Capacity(n);  // PolyBucket's rule, once the family is known (OpCache::Lookup)
   return true;
 }
 
@@ -1743,7 +1756,9 @@ bool PlanPolyConcat(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   // such n, so its output buffer is the canonical one of the output's own
   // bucket (Compile) — what the next step's programs (the growing cache's
   // next cat, its readers) declare, so they need no resize.
-  plan.bucket = (PolyBucket(scale * n + offset) - offset) / scale;
+  plan.rows_scale = scale;
+  plan.rows_offset = offset;
+  plan.bucket = (Capacity(scale * n + offset) - offset) / scale;
   return true;
 }
 
@@ -2004,7 +2019,7 @@ std::unique_ptr<CompiledOp> Compile(const c10::OperatorHandle& op, const torch::
       n = flat_dims[0];  // every dynamic dim at the bucket (PolyBufferNumel's numel)
     } else if (dynamic) {
       const int64_t rows = out.sizes[static_cast<size_t>(dynamic_out[r])];
-      n = rows == 0 ? 0 : flat_dims[0] / rows * PolyBucket(rows);
+      n = rows == 0 ? 0 : flat_dims[0] / rows * Capacity(rows);
     }
     // A permuted dynamic output (PolySpec): AddCall gave its values in
     // memory order, where the dynamic dim is at `physical_dim`.
@@ -2541,7 +2556,7 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
       metrics.cache_hits++;
       return ready(std::move(hit));
     }
-    int* family = &families_[offset_key.hash];
+    int* family = &families_[offset_key.hash].count;
     if (*family >= kPolyAfter && !recorded) {
       if (auto compiled = family_program(nullptr, /*runtime_offsets=*/true))
         return cache_.Insert(offset_key, std::move(compiled));
@@ -2596,10 +2611,26 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     StorageIds ids;
     AppendCallKey(op, stack, first, entry, poly_key.atoms, ids, plan.dynamic, -1, dim, false, plan.multi_n,
                   plan.marks);
-    int* family = &families_[KeyHash(poly_key)];
+    Family& fam = families_[KeyHash(poly_key)];
+    int* family = &fam.count;
+    if (plan.dim >= 0) {
+      fam.min_n = std::min(fam.min_n, plan.extent);
+      fam.max_n = std::max(fam.max_n, plan.extent);
+    }
     if (*family < kPolyAfter) {
       if (*family >= 0) families.push_back(family);
       continue;
+    }
+    if (plan.dim >= 0) {  // the family's bucket rule (PolyBucket)
+      const c10::IValue& lv = stack[first + static_cast<size_t>(plan.leader)];
+      const at::Tensor& lt = plan.leader_item < 0 ? lv.toTensor()
+                                                  : lv.toListRef()[static_cast<size_t>(plan.leader_item)].toTensor();
+      int64_t outer = 1;
+      for (int64_t d = 0; d < plan.dim && d < lt.dim(); ++d) outer *= lt.size(d);
+      const bool wide =
+          fam.max_n >= 2 * fam.min_n && (plan.multi_n > 0 || entry.traits.poly_matmul || outer > 1);
+      plan.bucket = (PolyBucket(plan.rows_scale * plan.extent + plan.rows_offset, wide) - plan.rows_offset) /
+                    plan.rows_scale;
     }
     poly_key.atoms.clear();
     poly_key.atoms.push_back(-1);  // not a default dtype: no exact key starts so

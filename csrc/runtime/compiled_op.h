@@ -581,9 +581,14 @@ class OpCache {
   // Exact entries built by spec_only lookups (fused recording), whether or
   // not cache_ serves their key with a bucket program.
   LruCache<OpKey, const CompiledOp, OpKeyHash> recorded_;
-  // Static compiles per shape family (the key without leading dims and
-  // storage sizes); -1: a family the polymorphic path declined.
-  std::unordered_map<size_t, int> families_;
+  // Per shape family (the key without leading dims and storage sizes):
+  // its static compiles (-1: a family the polymorphic path declined) and
+  // the least and greatest extent its calls had (its bucket rule).
+  struct Family {
+    int count = 0;
+    int64_t min_n = INT64_MAX, max_n = 0;
+  };
+  std::unordered_map<size_t, Family> families_;
 };
 
 OpCache& GlobalOpCache();
