@@ -937,13 +937,13 @@ hlo::Value ProgramBuilder::ExtentTerm(int64_t c, int p) {
 }
 
 // Multi-dim plans (PlanPolyMulti). t's elements at the runtime extent n lie
-// in `flat` at sum_k i_k * stride_k(n), where stride_k(n) = c_k * n^p_k is
-// the product of the sizes inside dim k in memory order (row-major for a
-// contiguous t, DenseOrder for a view; 0 for expanded dims), p_k counting
-// the dynamic ones. The read gathers every position of the bucket-sized
-// value at that index; positions past n along any dynamic dim read index 0
-// and are then replaced by 0 or the plan's fill. Every index is below the
-// tensor's numel at n, so in bounds of any buffer that holds it.
+// in `flat` at offset + sum_k i_k * stride_k(n), where stride_k(n) =
+// c_k * n^p_k is t's box's (BoxOf: the innermost stride times the block
+// sizes inside dim k, p_k of them dynamic; 0 for expanded dims). The read
+// gathers every position of the bucket-sized value at that index;
+// positions past n along a marked dim read index 0 and are then replaced
+// by 0 or the plan's fill. Every index of a real position is below the
+// box's block at n, so in bounds of its canonical buffer at the bucket.
 hlo::Value ProgramBuilder::MultiRead(const at::Tensor& t, hlo::Value flat, uint64_t marks) {
   const size_t rank = static_cast<size_t>(t.dim());
   std::vector<int64_t> dims = t.sizes().vec();
@@ -1528,25 +1528,27 @@ bool PlanPoly(const c10::OperatorHandle& op, const torch::jit::Stack& stack, siz
   return true;
 }
 
-// Whether the call can share a program with calls whose dims of one size n
-// >= 2 all change together, where one dim of one size does not cover them
-// (PlanPoly declines or keys the others as static): a [t, t] mask, the
-// [b, h, t, t] scores of attention, bmm's [b, t, d] @ [b, d, t] and
-// [b, t, t] @ [b, t, d]. n is the leader's size(leader_dim), skipped where
-// an earlier dim of the leader has it (one candidate per size). Every tpu
-// tensor with a dim of size n is dynamic along all such dims (offset 0,
-// typed as its storage; contiguous, or read-only a permuted/expanded view
-// of a contiguous block, DenseOrder, whose dims of size n are in memory
-// order or expanded; written ones contiguous and covering their storage); the others
-// are static, and a written tensor must be dynamic. A static dim that
-// happens to be n is marked too: its key then differs from the calls where
-// it does not (a family of its own), and PolySpec's meta kernels at the
-// bucket and bucket + 1 decline a marking the op's shape rules reject
-// (bmm's [8, 16, 16] @ [8, 16, n] at n = 16). Shape rules are equalities
-// and broadcasts between dims, so holding at two extents they hold at
-// every n. Not for layer norm (poly_batch_dims), cat, mm/addmm or flat
-// plans, nor for a marking PlanPoly takes (one dim, at the same place from
-// the end, in every dynamic tensor).
+// Whether the call can share a program with calls whose marked dims, all
+// of one size n >= 2, change together, where PlanPoly's one dim does not
+// cover them: a [t, t] mask, the [b, h, t, t] scores of attention, bmm's
+// [b, t, d] @ [b, d, t] and [b, t, t] @ [b, t, d], and read-only views
+// PlanPoly declines (boxes with gaps or at an offset: attention's q, k, v).
+// n is the leader's size(leader_dim), skipped where an earlier dim of the
+// leader has it (one candidate per size). The marked dims are subset
+// `subset` (of *num_subsets, set here: all dims of size n first, then
+// smaller subsets; every one for at most 6 such dims) of the tpu tensors'
+// dims of size n (`PolyPlan::marks`); the leader has one. A tensor with a
+// marked dim is dynamic (typed as its storage; written ones contiguous at
+// offset 0 and covering their storage; read-only ones a box, BoxOf), the
+// others static, and a written tensor must be dynamic. A static dim of
+// size n left unmarked keys as n: the family of the lengths where it is
+// not n (batch 2 at n = 2). PolySpec's meta kernels at the bucket and
+// bucket + 1 decline a marking the op's shape rules reject (bmm's
+// [8, 16, 16] @ [8, 16, n] with all four marked); shape rules are
+// equalities and broadcasts between dims, so holding at two extents they
+// hold at every n. Not for layer norm (poly_batch_dims), cat, mm/addmm or
+// flat plans, nor for a marking PlanPoly takes (one dim, at the same place
+// from the end, in every dynamic tensor, each a dense view at offset 0).
 bool PlanPolyMulti(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
                    const lowering::LoweringEntry& entry, int64_t leader_dim, size_t subset, PolyPlan& plan,
                    size_t* num_subsets) {
