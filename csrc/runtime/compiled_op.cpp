@@ -2410,6 +2410,38 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   BuildKey(op, stack, first, entry, key);
   std::unique_lock<std::mutex> lock(mutex_);
   auto& metrics = Runtime::Get().metrics();
+  // Before a compile (a miss): Compile resizes out= tensors as the call
+  // would (ApplyResizes), and resizing a storage flushes a recorded fused
+  // region, whose calls run through this lookup — under our lock, a
+  // deadlock (fused mode: add(a, b, out=o), then mul(a, b, out=empty)
+  // hung; review, session 20). So a call with an out= tensor flushes first,
+  // unlocked, and looks up again (the key is rebuilt: the flush's lookups
+  // share the thread's key). Once per call: a flush already running (a
+  // region's calls run one by one) returns at once.
+  thread_local bool out_flushed = false;
+  auto flush_for_out = [&]() -> bool {
+    if (out_flushed || !HasPendingWork()) return false;
+    const auto& args = op.schema().arguments();
+    bool has_out = false;
+    for (size_t i = 0; i < args.size(); ++i)
+      has_out |= IsOutArg(args[i]) && stack[first + i].isTensor() && stack[first + i].toTensor().defined();
+    if (!has_out) return false;
+    lock.unlock();
+    out_flushed = true;  // until the lookup again returns (relookup)
+    try {
+      FlushPendingWork();
+    } catch (...) {
+      out_flushed = false;
+      throw;
+    }
+    return true;
+  };
+  auto relookup = [&]() {
+    struct Reset {
+      ~Reset() { out_flushed = false; }
+    } reset;
+    return Lookup(op, stack, entry, shape_poly, host_served, spec_only);
+  };
   // Fused recording: the exact program's spec, compiled or not.
   // Where a bucket program serves the key in cache_ (strict calls), the
   // exact entry is kept in recorded_, so recording does not rebuild it.
@@ -2437,6 +2469,7 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
         return hit;
       }
     }
+    if (flush_for_out()) return relookup();
     metrics.cache_misses++;
     Deferred d;
     std::shared_ptr<CompiledOp> built(Compile(op, stack, first, entry, nullptr, &d));
@@ -2672,6 +2705,7 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     metrics.cache_hits++;
     return ready(std::move(recorded));
   }
+  if (flush_for_out()) return relookup();
   metrics.cache_misses++;
   std::shared_ptr<const CompiledOp> compiled;
   if (host_first) {

@@ -304,3 +304,33 @@ def test_data_assignment_after_recording(fused):
     x.data = x.clone() * 3
     x.add_(1)
     torch.testing.assert_close(x.cpu(), torch.arange(20.0) * 3 + 1, rtol=0, atol=0)
+
+
+OUT_RESIZE_IN_REGION = r"""
+import torch, torch_tpu
+torch_tpu.set_eager_mode("fused")
+g = torch.Generator().manual_seed(0)
+a, b = torch.randn(3, 3, generator=g, dtype=torch.float64), torch.randn(3, 3, generator=g, dtype=torch.float64)
+ta, tb = a.to("tpu"), b.to("tpu")
+o = torch.empty_like(ta)
+torch.add(ta, tb, out=o)                          # recorded: the region is pending
+o2 = torch.empty(0, dtype=ta.dtype, device=ta.device)
+torch.mul(ta, tb, out=o2)                         # a new key whose out= needs a resize
+torch.sub(ta, tb, out=o)                          # out= of a tensor the region wrote, right size
+ok = torch.equal(o.cpu(), a - b) and torch.equal(o2.cpu(), a * b) and o2.shape == (3, 3)
+print("ok" if ok else "wrong")
+"""
+
+
+def test_out_resize_while_a_region_is_recorded():
+    """A fused region is recorded and a call with an out= tensor that needs
+    resizing compiles (a new key): the resize flushes the region, which used
+    to run its calls through the op cache while the lookup held its lock —
+    the process hung (review, session 20). Fresh process, empty cache,
+    bounded by a timeout; values exact against CPU (float64 add/mul/sub)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        r = run_python(OUT_RESIZE_IN_REGION, env={"TORCH_TPU_CACHE_DIR": cache}, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "ok", r.stdout
