@@ -2414,10 +2414,10 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   // would (ApplyResizes), and resizing a storage flushes a recorded fused
   // region, whose calls run through this lookup — under our lock, a
   // deadlock (fused mode: add(a, b, out=o), then mul(a, b, out=empty)
-  // hung; review, session 20). So a call with an out= tensor flushes first,
-  // unlocked, and looks up again (the key is rebuilt: the flush's lookups
-  // share the thread's key). Once per call: a flush already running (a
-  // region's calls run one by one) returns at once.
+  // hung; review, session 20). So a call with an out= tensor to resize
+  // flushes first, unlocked, and looks up again (the key is rebuilt: the
+  // flush's lookups share the thread's key). Once per call: a flush already
+  // running (a region's calls run one by one) returns at once.
   thread_local bool out_flushed = false;
   auto flush_for_out = [&]() -> bool {
     if (out_flushed || !HasPendingWork()) return false;
@@ -2426,6 +2426,15 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     for (size_t i = 0; i < args.size(); ++i)
       has_out |= IsOutArg(args[i]) && stack[first + i].isTensor() && stack[first + i].toTensor().defined();
     if (!has_out) return false;
+    // Only where the compile will resize (a meta kernel run: out= calls
+    // only). Flushing every out= call that compiles cut generate()'s
+    // decoding steps at its `where(..., out=)` (fused warm call 0.133 s
+    // against 0.078 s).
+    try {
+      if (ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel).resize_outputs.empty()) return false;
+    } catch (const std::exception&) {
+      return false;  // the compile raises it
+    }
     lock.unlock();
     out_flushed = true;  // until the lookup again returns (relookup)
     try {
