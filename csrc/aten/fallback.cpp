@@ -1190,15 +1190,10 @@ bool ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle&
     std::vector<int64_t> sizes = o.sizes;
     if (o.dynamic) {
       const c10::IValue& leader = originals[static_cast<size_t>(compiled.poly_leader)];
-      const at::Tensor& t = compiled.poly_leader_item < 0
-                                ? leader.toTensor()
-                                : leader.toListRef()[static_cast<size_t>(compiled.poly_leader_item)].toTensor();
-      if (o.dynamic_mask) {  // multi-dim (PlanPolyMulti)
-        for (size_t k = 0; k < sizes.size(); ++k)
-          if ((o.dynamic_mask >> k) & 1) sizes[k] = t.size(compiled.poly_dim);
-      } else {
-        sizes[static_cast<size_t>(o.dynamic_dim)] = o.dynamic_scale * t.size(compiled.poly_dim) + o.dynamic_offset;
-      }
+      sizes = runtime::DynamicOutputSizes(
+          o, compiled.poly_dim,
+          compiled.poly_leader_item < 0 ? leader.toTensor()
+                                        : leader.toListRef()[static_cast<size_t>(compiled.poly_leader_item)].toTensor());
     }
     const at::Tensor& host = stack[rfirst + r].toTensor();
     if (!host.defined() || host.sizes() != c10::IntArrayRef(sizes) || host.scalar_type() != o.dtype)

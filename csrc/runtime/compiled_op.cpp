@@ -947,12 +947,8 @@ hlo::Value ProgramBuilder::ExtentTerm(int64_t c, int p) {
 hlo::Value ProgramBuilder::MultiRead(const at::Tensor& t, hlo::Value flat, uint64_t marks) {
   const size_t rank = static_cast<size_t>(t.dim());
   std::vector<int64_t> dims = t.sizes().vec();
-  std::vector<bool> marked(rank, false);
   for (size_t k = 0; k < rank; ++k)
-    if ((marks >> k) & 1) {
-      marked[k] = true;
-      dims[k] = poly->bucket;
-    }
+    if ((marks >> k) & 1) dims[k] = poly->bucket;
   BoxLayout box;
   if (!BoxOf(t, poly->multi_n, marks, box)) throw std::logic_error("MultiRead: not a box (PlanPolyMulti checked)");
   const std::vector<int64_t>& c = box.c;
@@ -964,7 +960,7 @@ hlo::Value ProgramBuilder::MultiRead(const at::Tensor& t, hlo::Value flat, uint6
     if (dims[k] == 1) continue;
     hlo::Value iota = b.Iota(index, static_cast<int64_t>(k));
     if (c[k] != 0) idx = b.Add(idx, b.Mul(iota, b.BroadcastInDim(ExtentTerm(c[k], p[k]), dims, {})));
-    if (marked[k]) {
+    if ((marks >> k) & 1) {
       hlo::Value in = b.Compare(iota, b.BroadcastInDim(PolyExtent(), dims, {}), hlo::CompareDirection::kLT);
       inside = inside ? b.And(*inside, in) : in;
     }
@@ -1054,7 +1050,9 @@ hlo::Value ProgramBuilder::PolyRows(const at::Tensor& t, hlo::Value flat, uint64
 
 int64_t ProgramBuilder::PolyBufferNumel(const at::Tensor& t, uint64_t marks) const {
   if (poly->dim < 0) return poly->bucket;  // flat (PlanPolyFlat): [bucket], bucket = Capacity(numel)
-  if (BoxLayout box; poly->multi_n > 0 && BoxOf(t, poly->multi_n, marks, box)) {  // its block at the bucket
+  if (poly->multi_n > 0) {  // its box's block at the bucket
+    BoxLayout box;
+    if (!BoxOf(t, poly->multi_n, marks, box)) throw std::logic_error("PolyBufferNumel: not a box (PlanPolyMulti checked)");
     int64_t numel = box.numel_c;
     for (int k = 0; k < box.numel_p; ++k) numel *= poly->bucket;
     return numel;
@@ -1063,8 +1061,7 @@ int64_t ProgramBuilder::PolyBufferNumel(const at::Tensor& t, uint64_t marks) con
   const std::vector<int64_t> order = t.is_contiguous() ? std::vector<int64_t>{} : DenseOrder(t);
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (!t.is_contiguous() && std::find(order.begin(), order.end(), d) == order.end()) continue;
-    const bool dynamic = poly->multi_n > 0 ? ((marks >> d) & 1) != 0 : d == poly->dim;
-    numel *= dynamic ? Capacity(poly->bucket) : t.size(d);
+    numel *= d == poly->dim ? Capacity(poly->bucket) : t.size(d);
   }
   return numel;
 }
@@ -2727,6 +2724,19 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   return cache_.Insert(key, std::move(compiled));
 }
 
+std::vector<int64_t> DynamicOutputSizes(const OutputSlot& o, int poly_dim, const at::Tensor& leader) {
+  if (poly_dim < 0) return leader.sizes().vec();  // flat (PlanPolyFlat)
+  std::vector<int64_t> sizes = o.sizes;
+  const int64_t n = leader.size(poly_dim);
+  if (o.dynamic_mask) {  // multi-dim (PlanPolyMulti)
+    for (size_t k = 0; k < sizes.size(); ++k)
+      if ((o.dynamic_mask >> k) & 1) sizes[k] = n;
+  } else {
+    sizes[static_cast<size_t>(o.dynamic_dim)] = o.dynamic_scale * n + o.dynamic_offset;
+  }
+  return sizes;
+}
+
 std::vector<int64_t> OutputStrides(const OutputSlot& o, std::span<const int64_t> sizes) {
   if (o.order.empty()) return o.strides;
   std::vector<int64_t> strides(sizes.size(), 0);
@@ -3007,16 +3017,8 @@ std::vector<at::Tensor> Launch(const CompiledOp& op, torch::jit::Stack& stack, s
     StorageBuffer sb{std::shared_ptr<pjrt::Buffer>(std::move(outs[i])), o.element, o.numel, op.name};
     PoisonWith(sb, li.checks, own);
     if (o.kind == OutputSlot::Kind::kNewTensor && o.dynamic) {
-      const at::Tensor& leader = TensorOf(arg_of, 0, op.poly_leader, op.poly_leader_item);
-      std::vector<int64_t> sizes = o.sizes;
-      if (op.poly_dim < 0) {
-        sizes = leader.sizes().vec();  // flat (PlanPolyFlat): the leader's sizes
-      } else if (o.dynamic_mask) {     // multi-dim (PlanPolyMulti)
-        for (size_t k = 0; k < sizes.size(); ++k)
-          if ((o.dynamic_mask >> k) & 1) sizes[k] = leader.size(op.poly_dim);
-      } else {
-        sizes[static_cast<size_t>(o.dynamic_dim)] = o.dynamic_scale * leader.size(op.poly_dim) + o.dynamic_offset;
-      }
+      const std::vector<int64_t> sizes =
+          DynamicOutputSizes(o, op.poly_dim, TensorOf(arg_of, 0, op.poly_leader, op.poly_leader_item));
       new_tensors.push_back(WrapBuffer(std::move(sb), sizes, o.dtype, li.device_index, OutputStrides(o, sizes)));
     } else if (o.kind == OutputSlot::Kind::kNewTensor) {
       new_tensors.push_back(WrapBuffer(std::move(sb), o.sizes, o.dtype, li.device_index, o.strides));

@@ -107,6 +107,12 @@ struct OutputSlot {
 // strides of its `order` (size-1 dims get the stride of their place in it).
 // Empty: row-major.
 std::vector<int64_t> OutputStrides(const OutputSlot& o, std::span<const int64_t> sizes);
+// A dynamic new output's sizes at a launch (or host-first call) whose
+// leader argument is `leader` (OutputSlot::dynamic): the leader's sizes
+// for a flat program (poly_dim < 0), else o.sizes with the dims in
+// dynamic_mask (multi-dim) or dynamic_dim (scale * extent + offset) at
+// the leader's extent, its size(poly_dim).
+std::vector<int64_t> DynamicOutputSizes(const OutputSlot& o, int poly_dim, const at::Tensor& leader);
 
 // The op's returns: a new tensor (index into outputs) or an argument
 // returned as it is (in-place and out= ops).
@@ -319,10 +325,10 @@ class ProgramBuilder {
   // A dynamic tensor at the bucket, padding filled; `marks`: its marked dims (multi-dim plans).
   hlo::Value PolyRows(const at::Tensor& t, hlo::Value flat, uint64_t marks);
   uint64_t PolyMarks(const InputSlot& use) const;  // a multi-dim plan's marked dims of an argument
-  // Multi-dim plans: t (contiguous, or a dense permuted/expanded view at
-  // offset 0) read from `flat` at the bucket by one gather whose indices
-  // use t's strides at the runtime extent; padding positions hold 0 or the
-  // plan's fill.
+  // Multi-dim plans: t (a box, BoxOf in the .cpp: contiguous, a dense
+  // permuted/expanded view, or a view with static gaps at an offset) read
+  // from `flat` at the bucket by one gather whose indices use t's strides
+  // at the runtime extent; padding positions hold 0 or the plan's fill.
   hlo::Value MultiRead(const at::Tensor& t, hlo::Value flat, uint64_t marks);
   // c * extent^p as an s64 0-d value (a stride or numel at the runtime extent).
   hlo::Value ExtentTerm(int64_t c, int p);
