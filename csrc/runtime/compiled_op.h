@@ -397,6 +397,24 @@ class HostFirstDeferScope {
 // Waits until every queued background compile has finished (OpCache::Clear,
 // before fork(), at exit).
 void AwaitBackgroundCompiles();
+
+// While one lives, the background compile threads (and the threads their
+// compiles started) run at the constructing thread's niceness instead of
+// TORCH_TPU_COMPILE_NICE's: held by every wait for a background compile
+// (AwaitCompiled, AwaitBackgroundCompiles, a synchronous compile queued
+// behind DiskCache's compile mutex), so a waiter never waits at a niced
+// compile's pace (priority inversion). Nothing where the waiter is not
+// less nice than the worker, or no worker exists.
+class CompileBoost {
+ public:
+  CompileBoost();
+  ~CompileBoost();
+  CompileBoost(const CompileBoost&) = delete;
+  CompileBoost& operator=(const CompileBoost&) = delete;
+
+ private:
+  bool active_ = false;
+};
 // Runs `task` on the background compile thread (FIFO, after the compiles
 // queued before it at its priority; AwaitBackgroundCompiles waits for it too). `task` must
 // not throw. Used by the fused executor for region programs.
@@ -595,6 +613,8 @@ class OpCache {
     int64_t min_n = INT64_MAX, max_n = 0;
   };
   std::unordered_map<size_t, Family> families_;
+  std::shared_ptr<CompiledOp> SpecFromBucket(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
+                                             size_t first, const lowering::LoweringEntry& entry, const OpKey& key);
 };
 
 OpCache& GlobalOpCache();

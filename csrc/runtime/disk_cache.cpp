@@ -1,4 +1,5 @@
 #include "runtime/disk_cache.h"
+#include "runtime/compiled_op.h"
 #include "runtime/env.h"
 
 #include <c10/util/Exception.h>
@@ -111,8 +112,14 @@ std::unique_ptr<pjrt::Executable> DiskCache::LoadOrCompile(pjrt::Client& client,
   // LLVM ("Cannot implicitly convert a scalable size to a fixed-width size")
   // with a background compile (host-first calls, compiled_op.h) beside
   // another.
+  // A compile on a niced background thread holding it runs at the
+  // waiter's priority meanwhile (CompileBoost, compiled_op.h).
   static std::mutex mutex;
-  std::lock_guard<std::mutex> lock(mutex);
+  std::unique_lock<std::mutex> lock(mutex, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    CompileBoost boost;
+    lock.lock();
+  }
   if (!enabled() || BypassesCache(module_text)) return client.Compile(module_text, options);
   std::string key = Key(client, module_text, options);
   std::string path = EntryPath(key);

@@ -69,10 +69,14 @@ def wait_for_compiles() -> None:
     torch_tpu.metrics()
 
 
-def run_python(code: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
-    """Runs `code` in a fresh interpreter (for start-up behaviour and env vars)."""
+def run_python(code: str, env: dict | None = None, timeout: int = 120,
+               drop_env: tuple = ()) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter (for start-up behaviour and env
+    vars): this process's environment plus `env`, less the `drop_env` names."""
     full_env = dict(os.environ)
     full_env.update(env or {})
+    for name in drop_env:
+        full_env.pop(name, None)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=full_env, timeout=timeout)
 
