@@ -32,6 +32,7 @@
 
 #include "lowering/helpers.h"
 #include "runtime/compile_stats.h"
+#include "runtime/cpp_meta.h"
 #include "runtime/disk_cache.h"
 
 namespace torch_tpu::runtime {
@@ -685,7 +686,13 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
                                : ToMetaValue(v, metas));
     }
     try {
-      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &meta_stack);
+      // ATen's C++ meta kernel where the table has it (cpp_meta.h: the
+      // dispatcher's Meta kernel is a Python one for most ops).
+      if (CppMetaKernel cpp = FindCppMeta(op)) {
+        cpp(meta_stack);
+      } else {
+        op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &meta_stack);
+      }
       break;
     } catch (const c10::Error& e) {
       if (attempt == 1) throw UnsupportedOp(std::string("no meta kernel result: ") + e.what_without_backtrace());

@@ -1,0 +1,145 @@
+"""Call specs from ATen's C++ meta kernels (csrc/runtime/cpp_meta.h).
+
+`import torch` registers Python meta kernels over the C++ structured ones
+for most ATen ops, and a call spec (output sizes, dtypes, strides) asked of
+the dispatcher's Meta kernel ran Python: ~0.15-0.2 ms per new key. For the
+ops in cpp_meta.cpp's table, ComputeSpec calls the C++ meta function
+(at::meta::add, ...) instead: CPU's own meta step, so its results are CPU's.
+These tests compare every such op's results (dtype, shape, strides, values)
+with CPU on inputs where promotion, broadcasting and layouts matter, and
+check that no Python meta kernel runs (the same calls with
+TORCH_TPU_CPP_META=0 run them: the check can fail).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch_tpu
+
+from conftest import run_python
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(3, 4, generator=g)
+    i = torch.randint(-5, 5, (3, 4), generator=g)
+    b = torch.rand(3, 4, generator=g) > 0.5
+    ft = torch.randn(4, 3, generator=g).t()  # a transposed (column-major) input
+    row = torch.randn(4, generator=g)
+    h = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    return [
+        ("add int+float", lambda t: torch.add(t["i"], t["f"], alpha=2)),
+        ("add wrapped", lambda t: t["i"] + 2.5),
+        ("add_ broadcast", lambda t: t["f"].clone().add_(t["row"], alpha=0.5)),
+        ("sub transposed", lambda t: t["ft"] - t["row"]),
+        ("sub_", lambda t: t["f"].clone().sub_(t["ft"])),
+        ("mul bool*int", lambda t: t["b"] * t["i"]),
+        ("mul_", lambda t: t["f"].clone().mul_(t["ft"])),
+        ("div int/int", lambda t: t["i"] / (t["i"].abs() + 1)),
+        ("div_", lambda t: t["f"].clone().div_(2.0)),
+        ("minimum", lambda t: torch.minimum(t["f"], t["ft"])),
+        ("maximum int/float", lambda t: torch.maximum(t["i"], t["f"])),
+        ("bitwise_and", lambda t: t["b"] & (t["i"] > 0)),
+        ("bitwise_or int", lambda t: t["i"] | 3),
+        ("eq.Tensor", lambda t: t["i"] == t["i"].flip(0)),
+        ("ne.Tensor", lambda t: t["f"] != t["ft"]),
+        ("lt.Tensor", lambda t: t["i"] < t["f"]),
+        ("le.Scalar", lambda t: t["f"] <= 0.1),
+        ("gt.Scalar", lambda t: t["i"] > 1),
+        ("ge.Tensor", lambda t: t["ft"] >= t["row"]),
+        ("eq.Scalar", lambda t: t["i"] == 2),
+        ("ne.Scalar", lambda t: t["b"] != True),  # noqa: E712
+        ("lt.Scalar", lambda t: t["ft"] < 0),
+        ("pow.Tensor_Scalar", lambda t: t["i"] ** 2),
+        ("pow.Tensor_Tensor", lambda t: t["f"].abs() ** t["ft"]),
+        ("neg", lambda t: -t["ft"]),
+        ("isneginf", lambda t: torch.isneginf(t["f"] / 0)),
+        ("cos int", lambda t: torch.cos(t["i"])),
+        ("sin", lambda t: torch.sin(t["ft"])),
+        ("rsqrt", lambda t: torch.rsqrt(t["f"].abs() + 1)),
+        ("exp", lambda t: torch.exp(t["h"])),
+        ("sqrt int", lambda t: torch.sqrt(t["i"].abs())),
+        ("tanh", lambda t: torch.tanh(t["ft"])),
+        ("sigmoid", lambda t: torch.sigmoid(t["f"])),
+        ("silu", lambda t: torch.nn.functional.silu(t["ft"])),
+        ("gelu tanh", lambda t: torch.nn.functional.gelu(t["f"], approximate="tanh")),
+        ("bitwise_not", lambda t: ~t["b"]),
+        ("all", lambda t: torch.all(t["b"])),
+        ("any", lambda t: torch.any(t["i"])),
+        ("all.dim", lambda t: torch.all(t["i"], dim=1)),
+        ("any.dim keepdim", lambda t: torch.any(t["b"], dim=0, keepdim=True)),
+        ("sum.dim int", lambda t: t["i"].sum(dim=(0, 1))),
+        ("sum.dim dtype", lambda t: t["f"].sum(dim=1, keepdim=True, dtype=torch.float64)),
+        ("mean.dim", lambda t: t["h"].mean(dim=[-1, 0])),
+        ("amax", lambda t: t["ft"].amax(dim=0)),
+        ("argmax", lambda t: t["i"].argmax(dim=1, keepdim=True)),
+        ("argmax flat", lambda t: t["f"].argmax()),
+        ("cumsum int", lambda t: t["i"].cumsum(1)),
+        ("cumsum dtype", lambda t: t["b"].cumsum(0, dtype=torch.float32)),
+        ("cat promote", lambda t: torch.cat([t["i"], t["f"], t["ft"]], dim=1)),
+        ("tril", lambda t: t["ft"].tril(-1)),
+        ("triu", lambda t: t["i"].triu(1)),
+        ("_softmax", lambda t: t["ft"].softmax(1)),
+        ("_log_softmax", lambda t: t["h"].log_softmax(0)),
+        ("bmm", lambda t: t["h"] @ t["h"].transpose(1, 2)),
+        ("mm", lambda t: t["f"] @ t["f"].t()),
+        ("addmm", lambda t: torch.addmm(t["row"][:3], t["f"], t["ft"].t(), beta=0.5, alpha=2)),
+    ], {"f": f, "i": i, "b": b, "ft": ft, "row": row, "h": h}
+
+
+CASES, INPUTS = _cases()
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("name,fn", CASES, ids=[c[0] for c in CASES])
+def test_cpp_meta_results_are_cpus(name, fn, mode):
+    """dtype, shape and strides equal CPU's; values exact for integers and
+    booleans, within 1e-5 relative for floats."""
+    want = fn(INPUTS)
+    with torch_tpu.eager_mode(mode):
+        got_t = fn({k: v.to("tpu") for k, v in INPUTS.items()})
+        got = got_t.cpu()
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    big = [d for d in range(want.dim()) if want.shape[d] > 1]
+    assert [got_t.stride(d) for d in big] == [want.stride(d) for d in big], (got_t.stride(), want.stride())
+    if want.dtype.is_floating_point:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    else:
+        assert torch.equal(got, want)
+
+
+# sys.setprofile sees the Python calls the dispatcher makes (a Python meta
+# kernel is a PythonKernelHolder calling a Python function): the files of
+# PyTorch's Python meta kernels, refs and prims are counted while new keys
+# of table ops build their programs (each key's first call: ComputeSpec).
+NO_PYTHON_META = r"""
+import json, sys, torch, torch_tpu
+torch_tpu.set_eager_mode("strict")
+x = torch.randn(5, 7).to("tpu")
+y = torch.randn(5, 7).to("tpu")
+hits = []
+def prof(frame, event, arg):
+    if event == "call":
+        f = frame.f_code.co_filename
+        if "_meta_registrations" in f or "/_refs/" in f or "/_prims" in f or "_decomp" in f:
+            hits.append(frame.f_code.co_name)
+sys.setprofile(prof)
+r = [(x + y), (x * y), torch.cat([x, y], 1), (x > 0), x.sum(1), torch.exp(x), x.softmax(1), x @ y.t()]
+sys.setprofile(None)
+print(json.dumps({"hits": len(hits), "names": sorted(set(hits))[:20]}))
+"""
+
+
+@pytest.mark.parametrize("cpp_meta", ["1", "0"])
+def test_table_ops_run_no_python_meta_kernel(cpp_meta, tmp_path):
+    r = run_python(NO_PYTHON_META, env={"TORCH_TPU_CACHE_DIR": str(tmp_path), "TORCH_TPU_CPP_META": cpp_meta},
+                   timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if cpp_meta == "1":
+        assert out["hits"] == 0, out
+    else:
+        assert out["hits"] > 0, out  # the control: the dispatcher's Meta kernels are Python ones
