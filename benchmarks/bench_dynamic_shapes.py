@@ -305,14 +305,14 @@ def _generate_table(rows=GENERATE_ROWS, repeat=3) -> None:
 
     def ratio(rs, num, den):
         v = [r[num] / r[den] for r in rs]
-        return f"{statistics.median(v):.1f}x [{min(v):.1f}-{max(v):.1f}]" if len(v) > 1 else f"{v[0]:.1f}x"
+        return f"{statistics.median(v):.2f}x [{min(v):.2f}-{max(v):.2f}]" if len(v) > 1 else f"{v[0]:.2f}x"
     for config, rs in runs.items():
         same = "yes" if all(r["tokens"] == cpu_tokens for r in rs) else "NO"
         compiles = lambda key: "/".join(sorted({str(r[key]) for r in rs}))  # noqa: E731
         print(f"| {'CPU eager' if config == 'cpu' else 'tpu ' + config} | {med(rs, 'first_s'):.2f} | "
               f"{compiles('first_compiles')} | {med(rs, 'second_s'):.3f} | {compiles('second_compiles')} | "
               f"{med(rs, 'warm_s'):.3f} | {ratio(rs, 'first_s', 'warm_s')} | {ratio(rs, 'second_s', 'warm_s')} | "
-              f"{med(rs, 'first_s') / cpu_first:.1f}x | {med(rs, 'longer_s'):.2f} | {compiles('longer_compiles')} | "
+              f"{med(rs, 'first_s') / cpu_first:.1f}x | {med(rs, 'longer_s'):.3f} | {compiles('longer_compiles')} | "
               f"{ratio(rs, 'longer_s', 'warm_s')} | {same} |")
     print()
 
