@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <dirent.h>
 #include <deque>
+#include <fstream>
 #include <map>
 #include <pthread.h>
 #include <sys/resource.h>
@@ -2116,8 +2117,9 @@ void FinishCompile(CompiledOp& compiled, const Deferred& d) {
 // DiskCache's compile mutex — would wait at the compile's niceness, and on
 // a machine loaded by other processes a niceness-19 thread gets ~1.5% of a
 // core (why the default was 0 before). So each such wait holds a
-// CompileBoost, which runs every thread at the worker's niceness at 0 for
-// as long as any wait lasts; where the priority cannot be raised back
+// CompileBoost, which runs every thread at the worker's niceness at the
+// waiter's (0 for a thread nobody niced) for as long as any wait lasts;
+// where the priority cannot be raised back
 // (unprivileged, RLIMIT_NICE 0) the default stays 0 and an explicit N > 0
 // waits as it always did.
 // Leaked: it must
@@ -2162,7 +2164,6 @@ class CompileWorker {
     std::unique_lock<std::mutex> lock(mutex_);
     idle_.wait(lock, [&] { return outstanding_ == 0; });
   }
-  int nice() const { return nice_; }
   // CompileBoost: the first boost raises every thread of the process at
   // the worker's niceness (its threads and those its compiles started) to
   // the waiter's; the last one lowers them back.
@@ -2173,25 +2174,43 @@ class CompileWorker {
     std::lock_guard<std::mutex> lock(boost_mutex_);
     if (boosts_++ > 0) return true;
     boosted_.clear();
-    if (DIR* dir = opendir("/proc/self/task")) {
-      while (dirent* e = readdir(dir)) {
-        char* end = nullptr;
-        const long tid = std::strtol(e->d_name, &end, 10);
-        if (end == e->d_name || *end != '\0') continue;
-        errno = 0;
-        const int prio = getpriority(PRIO_PROCESS, static_cast<id_t>(tid));
-        if (errno == 0 && prio == nice_ && setpriority(PRIO_PROCESS, static_cast<id_t>(tid), waiter) == 0)
-          boosted_.push_back(static_cast<pid_t>(tid));
-      }
-      closedir(dir);
+    before_boost_.clear();
+    boosted_to_ = waiter;
+    for (pid_t tid : Threads()) {
+      before_boost_.push_back(tid);
+      errno = 0;
+      const int prio = getpriority(PRIO_PROCESS, static_cast<id_t>(tid));
+      if (errno == 0 && prio == nice_ && setpriority(PRIO_PROCESS, static_cast<id_t>(tid), waiter) == 0)
+        boosted_.push_back(tid);
     }
     return true;
   }
+  // The last boost lowers the threads it raised back, and the threads a
+  // compile started meanwhile (they inherited the raised niceness: XLA's
+  // compile helpers, started by the first compile): new since the boost
+  // began, at its niceness, named as a worker thread (XLA's execution
+  // pools are named tf_*). Without the latter they stayed at 0 for good
+  // (review, session 21: ~40% of later compiles' CPU at niceness 0).
   void BoostEnd() {
     std::lock_guard<std::mutex> lock(boost_mutex_);
     if (--boosts_ > 0) return;
     for (pid_t tid : boosted_) (void)setpriority(PRIO_PROCESS, static_cast<id_t>(tid), nice_);  // gone: ESRCH
+    std::string worker_name;
+    {
+      std::lock_guard<std::mutex> wl(mutex_);
+      if (!worker_tids_.empty()) worker_name = ThreadName(worker_tids_.front());
+    }
+    if (!worker_name.empty()) {
+      for (pid_t tid : Threads()) {
+        if (std::find(before_boost_.begin(), before_boost_.end(), tid) != before_boost_.end()) continue;
+        errno = 0;
+        const int prio = getpriority(PRIO_PROCESS, static_cast<id_t>(tid));
+        if (errno == 0 && prio == boosted_to_ && ThreadName(tid) == worker_name)
+          (void)setpriority(PRIO_PROCESS, static_cast<id_t>(tid), nice_);
+      }
+    }
     boosted_.clear();
+    before_boost_.clear();
   }
 
  private:
@@ -2199,6 +2218,25 @@ class CompileWorker {
       : threads_wanted_(static_cast<int>(
             EnvInteger("TORCH_TPU_COMPILE_THREADS", 1, 1, 64, "an integer in [1, 64]"))),
         nice_(DefaultNice()) {}
+  // This process's thread ids (/proc/self/task).
+  static std::vector<pid_t> Threads() {
+    std::vector<pid_t> tids;
+    if (DIR* dir = opendir("/proc/self/task")) {
+      while (dirent* e = readdir(dir)) {
+        char* end = nullptr;
+        const long tid = std::strtol(e->d_name, &end, 10);
+        if (end != e->d_name && *end == '\0') tids.push_back(static_cast<pid_t>(tid));
+      }
+      closedir(dir);
+    }
+    return tids;
+  }
+  static std::string ThreadName(pid_t tid) {
+    std::ifstream in("/proc/self/task/" + std::to_string(tid) + "/comm");
+    std::string name;
+    std::getline(in, name);
+    return name;
+  }
   static int DefaultNice() {
     if (std::getenv("TORCH_TPU_COMPILE_NICE"))
       return static_cast<int>(EnvInteger("TORCH_TPU_COMPILE_NICE", 0, 0, 19, "an integer in [0, 19]"));
@@ -2228,6 +2266,10 @@ class CompileWorker {
     // Best effort: a thread's niceness is per thread on Linux (its id names
     // it); a failure (a sandbox without the permission) leaves it as is.
     if (nice > 0) (void)setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), nice);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      worker_tids_.push_back(static_cast<pid_t>(gettid()));
+    }
     for (;;) {
       std::function<void()> task;
       {
@@ -2253,6 +2295,9 @@ class CompileWorker {
   std::mutex boost_mutex_;
   int boosts_ = 0;              // CompileBoosts alive that raised threads
   std::vector<pid_t> boosted_;  // the threads they raised
+  std::vector<pid_t> before_boost_;  // every thread when the first began
+  int boosted_to_ = 0;               // the niceness it raised them to
+  std::vector<pid_t> worker_tids_;   // guarded by mutex_
   static inline std::atomic<CompileWorker*> existing_{nullptr};
 };
 

@@ -86,6 +86,18 @@ void DimReduce(Stack& s) {
   Ret(s, Fn(T(s, 0), ref, s[2].toBool(), Dtype(s, 3)));
 }
 
+// _softmax/_log_softmax(self, dim, half_to_float): the C++ meta function
+// does not check self's dtype where half_to_float is set; the Python meta
+// kernel (and CUDA's kernel) take only half or bfloat16 then, and CPU's
+// kernel none at all. Raised here, the call falls back to the CPU kernel,
+// which raises CPU's error (review, session 21: float64 was downcast).
+const at::Tensor& HalfToFloat(const Stack& s) {
+  const at::Tensor& self = T(s, 0);
+  TORCH_CHECK(!s[2].toBool() || self.scalar_type() == at::kHalf || self.scalar_type() == at::kBFloat16,
+              "softmax with half_to_float expects a half or bfloat16 input");
+  return self;
+}
+
 const std::unordered_map<std::string, CppMetaKernel>& Table() {
   static const auto* table = new std::unordered_map<std::string, CppMetaKernel>{
       {"aten::add.Tensor", BINARY_ALPHA(add)},
@@ -150,9 +162,9 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
        }},
       {"aten::tril", [](Stack& s) { Ret(s, at::meta::tril(T(s, 0), s[1].toInt())); }},
       {"aten::triu", [](Stack& s) { Ret(s, at::meta::triu(T(s, 0), s[1].toInt())); }},
-      {"aten::_softmax", [](Stack& s) { Ret(s, at::meta::_softmax(T(s, 0), s[1].toInt(), s[2].toBool())); }},
+      {"aten::_softmax", [](Stack& s) { Ret(s, at::meta::_softmax(HalfToFloat(s), s[1].toInt(), s[2].toBool())); }},
       {"aten::_log_softmax",
-       [](Stack& s) { Ret(s, at::meta::_log_softmax(T(s, 0), s[1].toInt(), s[2].toBool())); }},
+       [](Stack& s) { Ret(s, at::meta::_log_softmax(HalfToFloat(s), s[1].toInt(), s[2].toBool())); }},
       {"aten::bmm", BINARY(bmm)},
       {"aten::mm", BINARY(mm)},
       {"aten::addmm", [](Stack& s) { Ret(s, at::meta::addmm(T(s, 0), T(s, 1), T(s, 2), S(s, 3), S(s, 4))); }},

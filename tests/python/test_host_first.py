@@ -737,3 +737,52 @@ def test_compile_worker_bad_setting_is_named(name, value, tmp_path):
     warm = run_python(script, env=env, timeout=120)
     assert warm.returncode == 0, warm.stderr[-3000:]
     assert json.loads(warm.stdout.strip().splitlines()[-1])["errors"] == [None] * 6
+
+
+# Threads a compile starts while a wait boosts the worker inherit the raised
+# niceness; the wait's end lowers them too (CompileWorker::BoostEnd: new
+# since the boost began, at its niceness, named as the worker). metrics()
+# right after queuing 30 compiles boosts before the first compile has
+# started XLA's compile helper threads (review, session 21: they stayed at
+# 0 for good in 5 of 8 runs, ~40% of later compiles' CPU).
+BOOST_NEW_THREADS = r"""
+import os
+def threads():
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                nice = int(f.read().rsplit(")", 1)[1].split()[16])
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        out.append((int(tid), name, nice))
+    return sorted(out)
+for k in range(1, 31):  # 30 new keys, 2 calls each: 30 background compiles
+    x = torch.ones(k, 3, device="tpu")
+    for _ in range(2):
+        (x * 2 + 1).sin()
+torch_tpu.metrics()  # boosts, typically before the first compile has started its helpers
+for k in range(40, 70):
+    x = torch.ones(k, 3, device="tpu")
+    for _ in range(2):
+        (x * 2 + 1).sin()
+torch_tpu.metrics()
+out["threads"] = threads()
+"""
+
+
+def test_threads_started_during_a_boost_are_lowered_after_it(tmp_path):
+    if not _can_raise_priority_back():
+        pytest.skip("this process may not raise a thread's priority back (no CAP_SYS_NICE, RLIMIT_NICE < 20)")
+    r = run_python(PRELUDE + BOOST_NEW_THREADS + "print(json.dumps(out))\n",
+                   env={"TORCH_TPU_CACHE_DIR": str(tmp_path)}, timeout=180, drop_env=("TORCH_TPU_COMPILE_NICE",))
+    assert r.returncode == 0, r.stderr[-3000:]
+    threads = json.loads(r.stdout.strip().splitlines()[-1])["threads"]
+    niced = [t for t in threads if t[2] == 19]
+    assert niced, threads  # the worker
+    worker_tid, worker_name = niced[0][0], niced[0][1]
+    # every thread started after the worker under its name: the worker's compile helpers
+    later = [t for t in threads if t[0] > worker_tid and t[1] == worker_name]
+    assert all(t[2] == 19 for t in later), threads
