@@ -193,6 +193,17 @@ Value CastElement(Builder& b, const Value& v, ElementType to) {
     Value re = CastElement(b, v, hlo::ComplexPart(to));
     return b.Complex(re, ConstLike(b, re, 0));
   }
+  // bool -> floating: behind an optimization barrier. XLA's simplifier
+  // rewrites convert(pred) * y as select(pred, y, 0) (and divides likewise),
+  // dropping IEEE's 0 * inf = nan and 0 / 0 = nan that CPU gives: a bool
+  // tensor times [inf, nan] gave 0 for its False elements (review, session
+  // 21). The barrier keeps the convert opaque to it.
+  if (v.element() == ElementType::kPred && hlo::IsFloating(to)) {
+    Value c = b.Convert(v, to);
+    const hlo::TensorType type = c.type;
+    return b.Op("stablehlo.optimization_barrier", std::span<const Value>(&c, 1),
+                std::span<const hlo::TensorType>(&type, 1))[0];
+  }
   return b.Convert(v, to);
 }
 

@@ -6,12 +6,15 @@ tolerances for float32 and an explicit tolerance for bfloat16. Each test also
 checks that no pointwise op ran through the CPU fallback.
 """
 import contextlib
+import json
 import math
 import zlib
 
 import pytest
 import torch
 import torch_tpu
+
+from conftest import run_python
 
 TPU = torch.device("tpu")
 
@@ -745,3 +748,40 @@ def test_hard_activations_edges_out_inplace(name, dtype):
     with no_fallback():
         fn(t, inplace=True)
     torch.testing.assert_close(t.cpu(), fn(x), equal_nan=True)
+
+
+BOOL_TIMES_INF = r"""
+import json, torch, torch_tpu
+b = torch.tensor([True, False, True, False])
+f = torch.tensor([float("inf"), float("inf"), float("nan"), float("nan")])
+def fn(b, f):
+    return [b * f, f * b, torch.div(b, False), b.float() * f,
+            b.to(torch.float64) / torch.zeros(4, dtype=torch.float64, device=f.device), (b * 1.0) * f]
+ref = fn(b, f)
+res = {}
+def same(got):
+    return all(g.dtype == r.dtype and torch.equal(g.cpu().nan_to_num(7.0), r.nan_to_num(7.0)) for g, r in zip(got, ref))
+for mode in ("strict", "fused"):
+    torch_tpu.set_eager_mode(mode)
+    for i in range(3):
+        res[f"{mode}{i}"] = same(fn(b.to("tpu"), f.to("tpu")))
+torch_tpu.set_eager_mode("strict")
+res["compile"] = same(torch.compile(fn, backend="tpu")(b.to("tpu"), f.to("tpu")))
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.parametrize("host_first", ["1", "0"])
+def test_bool_to_float_keeps_ieee_zero_times_inf(host_first, tmp_path):
+    """A bool tensor converted to a float dtype and multiplied or divided
+    keeps IEEE's 0 * inf = nan and 0 / 0 = nan, as CPU: XLA's simplifier
+    rewrote convert(pred) * y into select(pred, y, 0), so False * inf gave
+    0 in compiled programs (the cast now sits behind an optimization
+    barrier, lowering/helpers.cpp CastElement). Strict and fused mode (three
+    calls each: host-served, compiled), torch.compile; with
+    TORCH_TPU_HOST_FIRST=0 every call runs its program."""
+    r = run_python(BOOL_TIMES_INF, env={"TORCH_TPU_CACHE_DIR": str(tmp_path), "TORCH_TPU_HOST_FIRST": host_first},
+                   timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(res.values()), res
