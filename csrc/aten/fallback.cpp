@@ -1189,11 +1189,9 @@ bool ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle&
     const runtime::OutputSlot& o = compiled.outputs[static_cast<size_t>(rs.index)];
     std::vector<int64_t> sizes = o.sizes;
     if (o.dynamic) {
-      const c10::IValue& leader = originals[static_cast<size_t>(compiled.poly_leader)];
       sizes = runtime::DynamicOutputSizes(
           o, compiled.poly_dim,
-          compiled.poly_leader_item < 0 ? leader.toTensor()
-                                        : leader.toListRef()[static_cast<size_t>(compiled.poly_leader_item)].toTensor());
+          runtime::TensorItem(originals[static_cast<size_t>(compiled.poly_leader)], compiled.poly_leader_item));
     }
     const at::Tensor& host = stack[rfirst + r].toTensor();
     if (!host.defined() || host.sizes() != c10::IntArrayRef(sizes) || host.scalar_type() != o.dtype)

@@ -2604,9 +2604,7 @@ void BucketKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, si
                const void* op_id, PolyPlan& plan, OpKey& poly_key) {
   const int64_t dim = plan.dim;
   if (dim >= 0) {
-    const c10::IValue& lv = stack[first + static_cast<size_t>(plan.leader)];
-    const at::Tensor& lt = plan.leader_item < 0 ? lv.toTensor()
-                                                : lv.toListRef()[static_cast<size_t>(plan.leader_item)].toTensor();
+    const at::Tensor& lt = TensorItem(stack[first + static_cast<size_t>(plan.leader)], plan.leader_item);
     int64_t outer = 1;
     for (int64_t d = 0; d < dim && d < lt.dim(); ++d) outer *= lt.size(d);
     const bool wide = max_n >= 2 * min_n && (plan.multi_n > 0 || entry.traits.poly_matmul || outer > 1);
@@ -2665,10 +2663,7 @@ std::shared_ptr<CompiledOp> OpCache::SpecFromBucket(const c10::OperatorHandle& o
     bucket = cache_.Find(poly_key);
   }
   if (!bucket || bucket->poly_leader < 0 || !bucket->spec.resize_outputs.empty()) return nullptr;
-  const c10::IValue& lv = stack[first + static_cast<size_t>(bucket->poly_leader)];
-  const at::Tensor& leader = bucket->poly_leader_item < 0
-                                 ? lv.toTensor()
-                                 : lv.toListRef()[static_cast<size_t>(bucket->poly_leader_item)].toTensor();
+  const at::Tensor& leader = TensorItem(stack[first + static_cast<size_t>(bucket->poly_leader)], bucket->poly_leader_item);
   auto derived = std::make_shared<CompiledOp>();
   derived->name = bucket->name;
   derived->entry = bucket->entry;
@@ -3019,10 +3014,13 @@ at::Tensor WrapBuffer(StorageBuffer buffer, at::IntArrayRef sizes, at::ScalarTyp
   return t;
 }
 
-const at::Tensor& TensorOf(const ArgResolver& arg_of, int32_t call, int16_t arg, int16_t item) {
-  const c10::IValue& v = arg_of(call, arg);
+const at::Tensor& TensorItem(const c10::IValue& v, int16_t item) {
   if (item < 0) return v.toTensor();
   return v.toListRef()[static_cast<size_t>(item)].toTensor();
+}
+
+const at::Tensor& TensorOf(const ArgResolver& arg_of, int32_t call, int16_t arg, int16_t item) {
+  return TensorItem(arg_of(call, arg), item);
 }
 
 // `sb`'s contents in a buffer of `numel` elements (the prefix copied, the

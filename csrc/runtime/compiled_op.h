@@ -475,6 +475,9 @@ using ArgResolver = std::function<const c10::IValue&(int32_t call, int16_t arg)>
 LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolver& arg_of, int default_device,
                           const std::vector<int64_t>& donors = {}, bool poisoned_ok = false);
 const at::Tensor& TensorOf(const ArgResolver& arg_of, int32_t call, int16_t arg, int16_t item);
+// Argument `v` as a tensor, or its item `item` >= 0 where it is a tensor
+// list (a shape-polymorphic program's leader: cat's dynamic item).
+const at::Tensor& TensorItem(const c10::IValue& v, int16_t item);
 
 // The base lowering name of an ATen op: "aten::add_" and "aten::add.out"
 // share "add".
