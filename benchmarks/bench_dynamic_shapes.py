@@ -107,6 +107,9 @@ def _child(config: str) -> dict:
                 sync()
         return time.perf_counter() - start
 
+    if config == "sites":  # strict mode, compiles counted per op site (the i-th ATen call of a forward)
+        return _count_sites(block, inputs)
+
     per_graph = {}
     if config == "compile":  # programs per Dynamo graph (a region), counted where they are built
         from torch_tpu import _dynamic
@@ -148,6 +151,43 @@ def _child(config: str) -> dict:
 
         out["programs"] = dict(_dynamic.stats)
     return out
+
+
+def _count_sites(block, inputs) -> dict:
+    """Strict mode, two passes over the lengths: compiles per op site, the
+    i-th ATen call of the block's forward (a TorchDispatchMode sees each
+    call; a compile is counted when it is queued, so the count's delta
+    around a call is that call's, resize programs included, read without
+    waiting for background compiles, as metrics() would). Not timed."""
+    import torch
+    import torch_tpu
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sites(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.i, self.counts = 0, {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            c0 = torch_tpu._C._compiles_queued()
+            out = func(*args, **(kwargs or {}))
+            compiled = torch_tpu._C._compiles_queued() - c0
+            site = f"{self.i}:{func}"
+            self.i += 1
+            self.counts[site] = self.counts.get(site, 0) + compiled
+            return out
+
+    sites = Sites()
+    for _ in range(2):
+        for x in inputs:
+            sites.i = 0
+            with torch.no_grad(), sites:
+                block(x)
+            torch.tpu.synchronize()
+    total = sum(sites.counts.values())
+    top = max(sites.counts.items(), key=lambda kv: kv[1])
+    return {"sites": len(sites.counts), "total": total, "top": list(top),
+            "over4": {k: v for k, v in sites.counts.items() if v > 4}}
 
 
 def _child_generate(config: str) -> dict:
@@ -359,6 +399,11 @@ def main() -> None:
         both = f"{r['top_both'][1]} ({r['top_both'][0]})" if r["top_both"][1] else "-"
         print(f"| {names[config]} | {r['first_s']:.2f} | {r['compiles']} | {top} | {r['second_compiles']} | "
               f"{both} | {r['compile_s']:.1f} | {r['warm_s']:.3f} | {r['first_s'] / cpu:.1f}x |")
+    sites = _run_child("lengths", "sites")
+    print()
+    print(f"tpu strict per op site (the i-th ATen call of the forward; a counting run, not timed): "
+          f"{sites['sites']} sites, {sites['total']} compiles over both passes, at most {sites['top'][1]} at one "
+          f"({sites['top'][0]}); sites with more than 4: {sites['over4'] or 'none'}")
     if "programs" in results["compile"]:
         print()
         print(f"torch.compile programs: {results['compile']['programs']}, per Dynamo graph: "

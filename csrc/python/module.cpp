@@ -156,6 +156,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("_idle", [] { return Runtime::Get().Idle(); });
   m.def("_device_type", [] { return static_cast<int>(c10::DeviceType::PrivateUse1); });
   m.def("metrics", &Metrics);
+  // metrics()["compiles"] without waiting for background compiles (each is
+  // counted when queued): benchmarks attribute compiles to the calls that
+  // queued them without changing when programs become ready.
+  m.def("_compiles_queued", [] { return Runtime::Get().metrics().compiles.load(); });
   m.def("cache_dir", [] { return torch_tpu::runtime::DiskCache::Get().directory(); });
   m.def("cache_max_bytes", [] { return torch_tpu::runtime::DiskCache::Get().max_bytes(); });
   m.def("clear_executable_cache", [] {

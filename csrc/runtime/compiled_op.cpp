@@ -257,16 +257,43 @@ bool BoxOf(const at::Tensor& t, int64_t n, uint64_t marks, BoxLayout& box) {
   box.c.assign(static_cast<size_t>(rank), 0);
   box.p.assign(static_cast<size_t>(rank), 0);
   box.offset = t.storage_offset();
+  // At n = 1 the marked dims (size 1) have no stride of their own (a view
+  // of a size-1 dim may carry any: view(2, 1, 4, 16) of a [2, 1, 64] slice
+  // gives it 64 where n >= 2 gives 192). Each takes its place in memory
+  // order by its stride (inside the dims of the same stride) and, as a
+  // dynamic block of size n = 1, the stride of the dim outside it (vstride):
+  // the box is the family's where the place is (AppendTensor keys it, so a
+  // wrong place only misses), and the dims of size > 1 keep their own
+  // strides as the formula's (c[k] * 1^p[k]), so a bucket program addresses
+  // this view's elements.
+  auto unit_mark = [&](int64_t d) { return n == 1 && ((marks >> d) & 1) && t.size(d) == 1; };
   for (int64_t d = 0; d < rank; ++d) {
     if (t.stride(d) < 0) return false;
-    if (t.size(d) > 1 && t.stride(d) != 0) box.order.push_back(d);
+    if ((t.size(d) > 1 && t.stride(d) != 0) || unit_mark(d)) box.order.push_back(d);
   }
   if (box.order.empty()) {  // one element, read by every index
     box.numel_c = box.offset + 1;
     return true;
   }
-  std::stable_sort(box.order.begin(), box.order.end(), [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
-  int64_t c = t.stride(box.order.back());
+  std::stable_sort(box.order.begin(), box.order.end(), [&](int64_t a, int64_t b) {
+    if (t.stride(a) != t.stride(b)) return t.stride(a) > t.stride(b);
+    return !unit_mark(a) && unit_mark(b);
+  });
+  std::vector<int64_t> vstride(static_cast<size_t>(rank), 0);
+  {
+    // The outermost marked dims take the span of the first dim inside them.
+    int64_t outside = 1;
+    for (int64_t d : box.order)
+      if (!unit_mark(d)) {
+        outside = t.stride(d) * t.size(d);
+        break;
+      }
+    for (int64_t d : box.order) {
+      vstride[static_cast<size_t>(d)] = unit_mark(d) ? outside : t.stride(d);
+      outside = vstride[static_cast<size_t>(d)];
+    }
+  }
+  int64_t c = vstride[static_cast<size_t>(box.order.back())];
   int p = 0;
   box.unit = c;
   int64_t inner_extent = 0;  // elements the dims inside the innermost dynamic block dim span
@@ -274,12 +301,12 @@ bool BoxOf(const at::Tensor& t, int64_t n, uint64_t marks, BoxLayout& box) {
   box.block.assign(box.order.size(), 0);
   for (size_t i = box.order.size(); i-- > 0;) {
     const auto d = static_cast<size_t>(box.order[i]);
-    const int64_t size = t.size(static_cast<int64_t>(d)), stride = t.stride(static_cast<int64_t>(d));
+    const int64_t size = t.size(static_cast<int64_t>(d)), stride = vstride[d];
     box.c[d] = c;
     box.p[d] = p;
     int64_t bs = size;
     if (i > 0) {
-      const int64_t outer = t.stride(box.order[i - 1]);
+      const int64_t outer = vstride[static_cast<size_t>(box.order[i - 1])];
       if (outer % stride != 0 || outer / stride < size) return false;  // overlapping or not nested
       bs = outer / stride;
     }
@@ -1568,7 +1595,7 @@ bool PlanPolyMulti(const c10::OperatorHandle& op, const torch::jit::Stack& stack
   if (rank <= leader_dim || rank >= 64) return false;
   const at::Tensor& lt = stack[first + static_cast<size_t>(leader)].toTensor();
   const int64_t n = lt.size(leader_dim);
-  if (n < 2) return false;
+  if (n < 1) return false;
   for (int64_t d = 0; d < leader_dim; ++d)
     if (lt.size(d) == n) return false;  // the same candidate as an earlier dim
   // Every (argument, dim) of size n, in order; the subset marks some of them.
@@ -2610,6 +2637,25 @@ void BucketKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, si
     const bool wide = max_n >= 2 * min_n && (plan.multi_n > 0 || entry.traits.poly_matmul || outer > 1);
     plan.bucket =
         (PolyBucket(plan.rows_scale * plan.extent + plan.rows_offset, wide) - plan.rows_offset) / plan.rows_scale;
+    // mm/addmm's rows of a left matrix that is its whole storage: the rows
+    // its buffer holds where that is a wide bucket (a power of two >= 16)
+    // above the rule's. The left matrix is most often a [b * t, d] view of
+    // [b, t, d] activations, whose families bucket t: the buffer a bucket
+    // program gave it holds b * bucket(t) rows, and bucket(b * t) differs
+    // from that for t < 16 (b = 2: 16 rows, the buffer 32) — every such
+    // call resized the buffer to 16 rows and its output back for the next
+    // [b, t, ...] program: a resize program per size pair and two launches
+    // per linear (session 21: 361 of a warm generate() call's 3713 launches).
+    if (wide && entry.traits.poly_matmul && lt.dim() == 2 && lt.size(1) > 0) {
+      const DeviceStorage& ds = StorageOf(lt);
+      const int64_t row = lt.size(1);
+      const StorageBuffer& cur = ds.current();
+      if (ds.initialized() && cur.numel % row == 0 &&
+          static_cast<size_t>(lt.numel()) * lt.element_size() == ds.nbytes()) {
+        const int64_t held = cur.numel / row;
+        if (held > plan.bucket && held == PolyBucket(held, true)) plan.bucket = held;
+      }
+    }
   }
   poly_key.op = op_id;
   poly_key.atoms.clear();
@@ -2781,8 +2827,17 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
   // A program compiling in the background (an earlier host-first call) is
   // waited for without the lock: the compile thread does not take it.
   // With TORCH_TPU_HOST_FIRST_COMPILE_AFTER = N > 1, a strict call that
-  // qualifies is host-served again instead (its N-th call queues the
-  // compile); any other caller queues it and waits.
+  // qualifies is host-served again instead — its compile is queued at its
+  // call in the N-th sync epoch that called the key, or at its
+  // kHostFirstBurst-th call in one epoch (a loop with no sync point) — any
+  // other caller queues it and waits. Epochs, not calls: a key called again
+  // after a sync point is a loop's, one called twice before it may be two
+  // layers' at a shape seen once (a transformer block's two layer norms and
+  // two residual adds at each of 20 sequence lengths compiled an exact
+  // program for the first lengths, which bucket programs serve from the
+  // second pass on: two compiles per op more than the buckets', and their
+  // outputs' buffers are not the buckets' (a resize or an exact program for
+  // each consumer)).
   auto ready = [&](std::shared_ptr<const CompiledOp> op_) {
     if (PendingCompile* p = op_->pending.get(); p && !p->ready.load(std::memory_order_acquire)) {
       p->called = true;
@@ -2795,9 +2850,14 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
         *host_served = true;
         return op_;
       }
-      ++p->calls;
+      if (const uint64_t epoch = SyncCount(); epoch != p->epoch || p->calls == 0) {
+        p->epoch = epoch;
+        p->epoch_calls = 0;
+        ++p->calls;
+      }
+      ++p->epoch_calls;
       if (host) {
-        if (p->calls >= after) QueueCompile(op_);
+        if (p->calls >= after || p->epoch_calls >= kHostFirstBurst) QueueCompile(op_);
         *host_served = true;
         return op_;
       }
@@ -2839,6 +2899,8 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     if (HostFirstProgram(op, stack, first, *compiled)) {
       PrepareBackground(compiled, d);
       compiled->pending->calls = host_first_deferred && HostFirstCompileAfter() > 1 ? 0 : 1;
+      compiled->pending->epoch = SyncCount();
+      compiled->pending->epoch_calls = compiled->pending->calls;
       compiled->pending->called = true;
       if (HostFirstCompileAfter() <= 1) QueueCompile(compiled);
       *host_served = true;
@@ -2931,6 +2993,10 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
     // bucket program for good: for a dim-1 family of [32, n], 32 dynamic
     // slices in and out, 2.1x the exact program's time; review).
     if (recorded_counted) continue;
+    // n = 1 of a multi-dim family (size-1 dims marked, BoxOf) takes a bucket
+    // program that exists, never builds one: it would lower the dynamic
+    // dims from a call where every size-1 dim looks alike.
+    if (plan.multi_n == 1) continue;
     if (auto compiled = family_program(&plan, /*runtime_offsets=*/false)) {
       if (recorded) recorded_.Insert(key, recorded);
       cache_.Insert(key, compiled);
@@ -3045,6 +3111,13 @@ StorageBuffer ResizeStorageBuffer(const StorageBuffer& sb, int64_t numel, int de
   static std::set<Key> compiling;  // queued on the background compile thread
   auto& rt = Runtime::Get();
   const Key key = std::make_tuple(static_cast<int>(sb.element), sb.numel, numel);
+  if (sb.host) {  // the contents as uploaded: upload them again at the new size, no program
+    const size_t keep = std::min(sb.host->size(), static_cast<size_t>(numel) * ElementSize(sb.element));
+    StorageBuffer out = rt.UploadStorage(sb.host->data(), keep, sb.element, device_index, sb.producer, numel);
+    out.checks = sb.checks;
+    out.host = nullptr;  // a program reads it now (GatherInputs)
+    return out;
+  }
   std::shared_ptr<pjrt::Executable> exe;
   bool queued = false;
   {
@@ -3138,7 +3211,8 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
     const at::Tensor& t = TensorOf(arg_of, s.call, s.arg, s.item);
     if (device_index < 0) device_index = t.device().index();
     DeviceStorage& storage = StorageOf(t);
-    const StorageBuffer* current = &storage.Materialize(s.element, poisoned_ok);
+    const StorageBuffer* current = &storage.Materialize(s.element, poisoned_ok, s.canonical ? s.numel : -1);
+    if (current->host && (s.numel < 0 || current->numel == s.numel)) storage.DropHostShadow();
     if (s.numel >= 0 && current->numel != s.numel) {
       // The buffer the program declares (InputSlot::numel): the storage's
       // contents resized to it. For a poly read (its canonical buffer) the

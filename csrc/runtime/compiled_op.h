@@ -156,7 +156,13 @@ struct PendingCompile {
   std::shared_future<void> done;
   std::atomic<bool> ready{false};
   bool queued = false;
-  int64_t calls = 0;  // calls of the key so far (host-served before the queue)
+  // Host-first calls of the key so far (host-served before the queue),
+  // counted once per sync epoch (the calls between two sync points,
+  // Runtime::Sync): `calls` epochs with a call, `epoch` the SyncCount() of
+  // the last, `epoch_calls` the calls in it (OpCache::Lookup's rule).
+  int64_t calls = 0;
+  uint64_t epoch = 0;
+  int64_t epoch_calls = 0;
   // Whether any call used the entry (a fused recording is not a call): also
   // set by calls HostFirstDeferScope keeps out of `calls`.
   bool called = false;
@@ -370,12 +376,17 @@ int64_t HostFirstMaxBytes();
 // The call of a key on which its host-first program's compile is queued:
 // TORCH_TPU_HOST_FIRST_COMPILE_AFTER (an integer in [1, 1000000]; default 2).
 // N = 1: on the first call, and every later call waits for that compile.
-// N > 1: the first N-1 calls are host-served without compiling anything (a key
-// used fewer than N times costs no compile at all), the N-th queues the
-// compile, and strict calls that qualify are host-served (never waiting)
-// until the executable is ready. Throws std::invalid_argument naming the
-// variable for another value.
+// N > 1: calls are counted once per sync epoch (the calls between two sync
+// points: torch.tpu.synchronize(), .item(), a copy to the host); the calls
+// of the first N-1 epochs that call the key are host-served without
+// compiling anything (a key used in fewer than N epochs costs no compile at
+// all), a call in the N-th epoch — or the kHostFirstBurst-th call within
+// one epoch (a loop without sync points) — queues the compile, and strict
+// calls that qualify are host-served (never waiting) until the executable
+// is ready. Throws std::invalid_argument naming the variable for another
+// value.
 int64_t HostFirstCompileAfter();
+constexpr int64_t kHostFirstBurst = 4;
 // While a HostFirstDeferScope(true) lives on this thread (the fused
 // executor running a region's calls one by one while that region's own
 // program is queued on the background compile thread), a host-first call is

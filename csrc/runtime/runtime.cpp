@@ -187,7 +187,7 @@ int64_t Capacity(int64_t numel) {
   return (numel + step - 1) / step * step;
 }
 
-const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element, bool poisoned_ok) {
+const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element, bool poisoned_ok, int64_t slot_numel) {
   // A recorded region may write this storage in place (not pending then):
   // reading before it ran would see the value from before those writes.
   if (pending_ || HasPendingWork()) FlushPendingWork();
@@ -207,7 +207,8 @@ const StorageBuffer& DeviceStorage::Materialize(hlo::ElementType element, bool p
                                " elements and cannot be read as " + std::string(hlo::MlirName(element)));
     return current_;
   }
-  int64_t numel = Capacity(static_cast<int64_t>(nbytes_ / ElementSize(element)));
+  const int64_t elements = static_cast<int64_t>(nbytes_ / ElementSize(element));
+  int64_t numel = slot_numel >= elements && slot_numel > 0 ? slot_numel : Capacity(elements);
   std::vector<char> zeros;
   try {
     zeros.assign(static_cast<size_t>(numel) * ElementSize(element), 0);
@@ -320,7 +321,11 @@ StorageBuffer Runtime::UploadStorage(const void* data, size_t nbytes, hlo::Eleme
     buffer = Upload(padded.data(), element, dims, device_index);
     metrics_.host_to_device_bytes -= (capacity - numel) * static_cast<int64_t>(esize);  // padding: not data
   }
-  return StorageBuffer{std::move(buffer), element, capacity, std::move(producer)};
+  StorageBuffer sb{std::move(buffer), element, capacity, std::move(producer)};
+  if (nbytes <= kHostShadowMaxBytes)
+    sb.host = std::make_shared<const std::vector<char>>(static_cast<const char*>(data),
+                                                         static_cast<const char*>(data) + numel * esize);
+  return sb;
 }
 
 std::shared_ptr<pjrt::Buffer> Runtime::ScalarBuffer(const void* bytes, hlo::ElementType element,
@@ -341,6 +346,10 @@ bool Runtime::OverwriteInPlace(StorageBuffer& buffer, const void* data, size_t n
   if (!buffer.buffer->FromHostInPlace(data, nbytes)) return false;
   metrics_.host_to_device_bytes += static_cast<int64_t>(nbytes);
   buffer.checks.clear();  // new contents from the host: no check guards them
+  buffer.host = nbytes <= kHostShadowMaxBytes
+                    ? std::make_shared<const std::vector<char>>(static_cast<const char*>(data),
+                                                                static_cast<const char*>(data) + nbytes)
+                    : nullptr;
   return true;
 }
 

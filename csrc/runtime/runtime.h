@@ -89,7 +89,18 @@ struct StorageBuffer {
   int64_t numel = 0;
   std::string producer;
   CheckList checks;
+  // The storage's bytes as a host upload gave them (Runtime::UploadStorage
+  // of at most kHostShadowMaxBytes; null otherwise), kept until a program
+  // first reads the buffer (DeviceStorage::DropHostShadow, GatherInputs):
+  // a bucket program that needs the buffer at another size uploads it again
+  // from here instead of compiling a resize program per (size, size) pair
+  // (ResizeStorageBuffer). Always the same bytes as the buffer's first
+  // ones: every write replaces the StorageBuffer (DeviceStorage::Set) or
+  // sets it anew (Runtime::OverwriteInPlace).
+  std::shared_ptr<const std::vector<char>> host;
 };
+// Host uploads up to this size keep StorageBuffer::host (1 MiB).
+constexpr size_t kHostShadowMaxBytes = size_t{1} << 20;
 
 // Appends to `into` the checks of `from` not known to have passed, each
 // once (a program's inputs -> the checks its outputs inherit).
@@ -134,6 +145,9 @@ class DeviceStorage {
     current_ = std::move(buffer);
     write_id_ = NextWriteId();
   }
+  // Frees the host copy of the contents (StorageBuffer::host): a program
+  // reads the buffer as it is. The contents are unchanged (no new write_id).
+  void DropHostShadow() { current_.host.reset(); }
   // Changes with every Set/MarkPending and is never the same for two
   // writes of any storages in the process, so a host copy keyed on it
   // (element reads, csrc/aten/kernels.cpp) is never stale — also when the
@@ -148,7 +162,10 @@ class DeviceStorage {
   // of a value check known to have failed on the contents (RaiseIfPoisoned)
   // unless `poisoned_ok` (a fused region's inputs: its outputs inherit the
   // failure instead). Checks known to have passed are dropped here.
-  const StorageBuffer& Materialize(hlo::ElementType element, bool poisoned_ok = false);
+  // `numel` >= 0 (a program's input slot): a never-written storage gets
+  // zeros of exactly that many elements where they hold the storage (no
+  // resize program to the slot's size), else of Capacity's.
+  const StorageBuffer& Materialize(hlo::ElementType element, bool poisoned_ok = false, int64_t numel = -1);
 
  private:
   size_t nbytes_;

@@ -10,13 +10,15 @@ import pytest
 
 from conftest import run_python
 
-# Each key is called twice: by default (TORCH_TPU_HOST_FIRST_COMPILE_AFTER=2)
-# a key compiles at its second call, and a key called once writes no entry.
+# Each key is called twice, a sync point between: by default
+# (TORCH_TPU_HOST_FIRST_COMPILE_AFTER=2) a key compiles at its call in a
+# second sync epoch, and a key called once writes no entry.
 PROGRAM = """
 import torch, torch_tpu
 x = torch.arange(12.0, device="tpu").reshape(3, 4)
 for _ in range(2):
     y = (torch.softmax(x * 0.5, dim=-1) @ x.t()).sum(dim=0)
+    torch.tpu.synchronize()
 print(",".join(f"{v:.6f}" for v in y.cpu().tolist()))
 m = torch_tpu.metrics()
 print(m["disk_cache_hits"], m["disk_cache_misses"], m["disk_cache_errors"])

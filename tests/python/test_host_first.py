@@ -386,8 +386,11 @@ out["good"] = torch.equal(r, torch.index_select(X.cpu(), 0, torch.tensor([3, 1])
 out["good_d"] = d
 out["index_bad3"] = where_raised(lambda: torch.index_select(X, 0, bad))
 # Integer division by zero (a value check in the program): calls 1 and 2 on
-# the CPU kernel, call 3 on the device.
-out["floordiv"] = [where_raised(lambda: I // Z), where_raised(lambda: I // Z)]
+# the CPU kernel, call 3 on the device. A key's calls count once per sync
+# epoch: call 2 comes after a sync point (call 1 raised at the op, before any).
+out["floordiv"] = [where_raised(lambda: I // Z)]
+torch.tpu.synchronize()
+out["floordiv"].append(where_raised(lambda: I // Z))
 torch_tpu.metrics()
 out["floordiv"].append(where_raised(lambda: I // Z))
 r, d = delta(lambda: (I // (Z + 1)).cpu())
@@ -488,6 +491,36 @@ def test_compile_after_n_calls(after):
     assert r["debug"]["ds"] == {"host_served": 2, "executions": 0, "compiles": 0}, r
     assert r["debug"]["dd"]["host_served"] == 0 and r["debug"]["dd"]["compiles"] == 2, r
     assert r["debug"]["dd"]["executions"] == 2, r
+
+
+EPOCHS = r"""
+Y = torch.arange(12, dtype=torch.float32).reshape(3, 4).to("tpu")
+W = torch.arange(10, dtype=torch.float32).reshape(2, 5).to("tpu")
+def calls(t, k):  # k calls of one key between two sync points
+    return [t * 1.75 - 0.5 for _ in range(k)]
+_, out["burst3"] = delta(lambda: calls(Y, 3))        # 3 calls, one epoch
+_, out["next_epoch"] = delta(lambda: calls(Y, 1))    # the key's second epoch (delta synced)
+_, out["after"] = delta(lambda: calls(Y, 1))         # the compile is done (metrics() waited)
+_, out["burst4"] = delta(lambda: calls(W, 4))        # 4 calls, one epoch: the 4th queues it
+out["ok"] = all(torch.equal(r.cpu(), torch.arange(12.).reshape(3, 4) * 1.75 - 0.5) for r in calls(Y, 2))
+"""
+
+
+def test_calls_count_once_per_sync_epoch():
+    """With TORCH_TPU_HOST_FIRST_COMPILE_AFTER=2 (the default) a key's calls
+    count once per sync epoch: three calls with no sync point between them
+    are host-served and compile nothing (two layers calling one key at a
+    shape seen once: a transformer block's two layer norms compiled an
+    exact program per sequence length); its call after a sync point queues
+    the compile (mul and sub: 2 programs); a key called kHostFirstBurst (4)
+    times in one epoch (a loop without sync points) queues it at the 4th."""
+    r = run(EPOCHS)
+    assert r["ok"], r
+    assert r["burst3"] == {"host_served": 6, "executions": 0, "compiles": 0}, r
+    assert r["next_epoch"] == {"host_served": 2, "executions": 0, "compiles": 2}, r
+    assert r["after"] == {"host_served": 0, "executions": 2, "compiles": 0}, r
+    assert r["burst4"]["compiles"] == 2, r
+    assert r["burst4"]["host_served"] + r["burst4"]["executions"] == 8, r
 
 
 def test_call_whose_cpu_results_differ_runs_the_program():
