@@ -388,7 +388,7 @@ def main() -> None:
     cpu = results["cpu"]["first_s"]
     names = {"cpu": "CPU eager", "strict": "tpu strict", "fused": "tpu fused",
              "compile": 'torch.compile(backend="tpu", dynamic=True)'}
-    print(f"20 lengths {LENGTHS[0]}..{max(LENGTHS)}, batch 2, hidden 64; fresh process and empty cache per row")
+    print(f"20 lengths {min(LENGTHS)}..{max(LENGTHS)}, batch 2, hidden 64; fresh process and empty cache per row")
     print()
     print("| configuration | first pass (s) | XLA compiles | most of one op or graph | second pass: compiles | "
           "both passes: most of one op or graph | compiling, all passes (s) | warm (3rd) pass (s) | "

@@ -716,11 +716,8 @@ CallSpec ComputeSpec(const c10::OperatorHandle& op, const torch::jit::Stack& sta
     try {
       // ATen's C++ meta kernel where the table has it (cpp_meta.h: the
       // dispatcher's Meta kernel is a Python one for most ops).
-      if (CppMetaKernel cpp = FindCppMeta(op)) {
-        cpp(meta_stack);
-      } else {
-        op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &meta_stack);
-      }
+      CppMetaKernel cpp = FindCppMeta(op);
+      if (!cpp || !cpp(meta_stack)) op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &meta_stack);
       break;
     } catch (const c10::Error& e) {
       if (attempt == 1) throw UnsupportedOp(std::string("no meta kernel result: ") + e.what_without_backtrace());

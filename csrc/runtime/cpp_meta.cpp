@@ -1,6 +1,9 @@
 #include "runtime/cpp_meta.h"
 
 #include <ATen/ATen.h>
+#include <ATen/ScalarOps.h>
+#include <ATen/TensorIterator.h>
+#include <ATen/native/layer_norm.h>
 #include <ATen/ops/_log_softmax_meta_dispatch.h>
 #include <ATen/ops/_softmax_meta_dispatch.h>
 #include <ATen/ops/add_meta_dispatch.h>
@@ -14,6 +17,22 @@
 #include <ATen/ops/bitwise_or_meta_dispatch.h>
 #include <ATen/ops/bmm_meta_dispatch.h>
 #include <ATen/ops/cat_meta_dispatch.h>
+#include <ATen/ops/clamp_meta_dispatch.h>
+#include <ATen/ops/clamp_min_meta_dispatch.h>
+#include <ATen/ops/clamp_max_meta_dispatch.h>
+#include <ATen/ops/erf_meta_dispatch.h>
+#include <ATen/ops/log_meta_dispatch.h>
+#include <ATen/ops/log1p_meta_dispatch.h>
+#include <ATen/ops/log2_meta_dispatch.h>
+#include <ATen/ops/log10_meta_dispatch.h>
+#include <ATen/ops/floor_meta_dispatch.h>
+#include <ATen/ops/ceil_meta_dispatch.h>
+#include <ATen/ops/round_meta_dispatch.h>
+#include <ATen/ops/trunc_meta_dispatch.h>
+#include <ATen/ops/sign_meta_dispatch.h>
+#include <ATen/ops/reciprocal_meta_dispatch.h>
+#include <ATen/ops/expm1_meta_dispatch.h>
+#include <ATen/ops/exp2_meta_dispatch.h>
 #include <ATen/ops/cos_meta_dispatch.h>
 #include <ATen/ops/cumsum_meta_dispatch.h>
 #include <ATen/ops/div_meta_dispatch.h>
@@ -63,27 +82,129 @@ std::optional<at::ScalarType> Dtype(const Stack& s, size_t i) {
   return s[i].toScalarType();
 }
 // The result replaces the arguments (a boxed call's stack discipline).
-void Ret(Stack& s, at::Tensor r) {
+bool Ret(Stack& s, at::Tensor r) {
   s.clear();
   s.emplace_back(std::move(r));
+  return true;
 }
 
+// A Scalar operand as ATen's .Scalar overloads pass it to their .Tensor
+// form (add.Scalar -> add(self, wrapped_scalar_tensor(other))): a CPU 0-d
+// wrapped number, which type promotion treats as a Python scalar.
+at::Tensor Wrapped(const Stack& s, size_t i) { return at::native::wrapped_scalar_tensor(S(s, i)); }
+
 // Elementwise ops (TensorIterator) and the rest, by schema.
-#define UNARY(fn) [](Stack& s) { Ret(s, at::meta::fn(T(s, 0))); }
-#define BINARY(fn) [](Stack& s) { Ret(s, at::meta::fn(T(s, 0), T(s, 1))); }
-#define BINARY_SCALAR(fn) [](Stack& s) { Ret(s, at::meta::fn(T(s, 0), S(s, 1))); }
-#define BINARY_ALPHA(fn) [](Stack& s) { Ret(s, at::meta::fn(T(s, 0), T(s, 1), S(s, 2))); }
-#define INPLACE_BINARY(fn) [](Stack& s) { at::Tensor self = T(s, 0); at::meta::fn(self, T(s, 1)); Ret(s, self); }
+#define UNARY(fn) [](Stack& s) { return Ret(s, at::meta::fn(T(s, 0))); }
+#define BINARY(fn) [](Stack& s) { return Ret(s, at::meta::fn(T(s, 0), T(s, 1))); }
+#define BINARY_SCALAR(fn) [](Stack& s) { return Ret(s, at::meta::fn(T(s, 0), S(s, 1))); }
+#define BINARY_ALPHA(fn) [](Stack& s) { return Ret(s, at::meta::fn(T(s, 0), T(s, 1), S(s, 2))); }
+#define WRAPPED(fn) [](Stack& s) { return Ret(s, at::meta::fn(T(s, 0), Wrapped(s, 1))); }
+#define WRAPPED_ALPHA(fn) [](Stack& s) { return Ret(s, at::meta::fn(T(s, 0), Wrapped(s, 1), S(s, 2))); }
+#define INPLACE_BINARY(fn) \
+  [](Stack& s) { at::Tensor self = T(s, 0); at::meta::fn(self, T(s, 1)); return Ret(s, self); }
 #define INPLACE_BINARY_ALPHA(fn) \
-  [](Stack& s) { at::Tensor self = T(s, 0); at::meta::fn(self, T(s, 1), S(s, 2)); Ret(s, self); }
+  [](Stack& s) { at::Tensor self = T(s, 0); at::meta::fn(self, T(s, 1), S(s, 2)); return Ret(s, self); }
+
+// native_layer_norm(input, normalized_shape, weight?, bias?, eps) -> (out,
+// mean, rstd), as CPU's layer_norm_cpu (aten/src/ATen/native/layer_norm.cpp)
+// builds them: its argument checks (_check_layer_norm_inputs), out
+// contiguous like the input, mean and rstd of the input's dtype shaped
+// input.shape[:axis] + [1] * len(normalized_shape). float32/float64 with
+// weight and bias of that dtype only; other dtypes decline (CPU keeps
+// reduced-precision statistics in float where the parameters are float).
+bool NativeLayerNorm(Stack& s) {
+  const at::Tensor& input = T(s, 0);
+  const std::vector<int64_t> shape = s[1].toIntVector();
+  const at::Tensor weight = s[2].isNone() ? at::Tensor() : T(s, 2);
+  const at::Tensor bias = s[3].isNone() ? at::Tensor() : T(s, 3);
+  const at::ScalarType dtype = input.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kDouble) return false;
+  if ((weight.defined() && weight.scalar_type() != dtype) || (bias.defined() && bias.scalar_type() != dtype))
+    return false;
+  at::native::_check_layer_norm_inputs(input, shape, weight, bias);
+  const int64_t axis = input.dim() - static_cast<int64_t>(shape.size());
+  std::vector<int64_t> stat(input.sizes().begin(), input.sizes().begin() + axis);
+  stat.resize(static_cast<size_t>(input.dim()), 1);
+  const at::TensorOptions options = input.options();
+  at::Tensor out = at::empty(input.sizes(), options);
+  at::Tensor mean = at::empty(stat, options);
+  at::Tensor rstd = at::empty(stat, options);
+  s.clear();
+  s.emplace_back(std::move(out));
+  s.emplace_back(std::move(mean));
+  s.emplace_back(std::move(rstd));
+  return true;
+}
+
+// where.self(condition, self, other): CPU's where_self_out
+// (aten/src/ATen/native/TensorCompare.cpp): self and other in their result
+// type, the output laid out by a TensorIterator over the three (broadcast,
+// CPU's strides for permuted inputs). A condition that is not bool (uint8:
+// CPU warns and converts) declines.
+bool Where(Stack& s) {
+  const at::Tensor& condition = T(s, 0);
+  const at::Tensor& self = T(s, 1);
+  const at::Tensor& other = T(s, 2);
+  if (condition.scalar_type() != at::kBool) return false;
+  const at::ScalarType type = at::result_type(self, other);
+  const at::Tensor self_ = self.scalar_type() != type ? self.to(type) : self;
+  const at::Tensor other_ = other.scalar_type() != type ? other.to(type) : other;
+  at::Tensor out = at::empty({0}, self.options().dtype(type));  // as CPU's where: the iterator resizes it
+  auto iter = at::TensorIteratorConfig()
+                  .check_all_same_dtype(false)
+                  .add_output(out)
+                  .add_const_input(condition)
+                  .add_input(self_)
+                  .add_input(other_)
+                  .build();
+  return Ret(s, iter.output());
+}
+
+// relu: CPU's (aten/src/ATen/native/Activation.cpp) refuses bool, then is
+// clamp_min(self, 0).
+bool Relu(Stack& s) {
+  TORCH_CHECK(T(s, 0).scalar_type() != at::kBool, "Boolean inputs not supported for relu");
+  return Ret(s, at::meta::clamp_min(T(s, 0), 0));
+}
+
+// abs of a real, non-bool tensor: a unary TensorIterator op keeping the
+// dtype (CPU's unary_op_impl_with_complex_to_float), as sign's meta
+// builds it; complex (a real result) and bool decline.
+bool Abs(Stack& s) {
+  const at::Tensor& self = T(s, 0);
+  if (self.is_complex() || self.scalar_type() == at::kBool) return false;
+  return Ret(s, at::meta::sign(self));
+}
+
+// masked_fill.Scalar(self, mask, value): ATen's composite
+// (aten/src/ATen/native/TensorAdvancedIndexing.cpp) expands self to the
+// broadcast shape (infer_size raises CPU's error where they do not
+// broadcast), clones it contiguous and runs masked_fill_, which takes only
+// a bool mask (CPU's message). A value of a higher kind than self's dtype
+// (a float into an integer tensor, a number into a bool one) declines: the
+// Python meta kernel's checks stand there.
+bool MaskedFill(Stack& s) {
+  const at::Tensor& self = T(s, 0);
+  const at::Tensor& mask = T(s, 1);
+  const at::Scalar value = S(s, 2);
+  const at::ScalarType dtype = self.scalar_type();
+  if (!at::isFloatingType(dtype) && !at::isComplexType(dtype) && (value.isFloatingPoint() || value.isComplex()))
+    return false;
+  if (dtype == at::kBool && !value.isBoolean()) return false;
+  if (value.isComplex() && !at::isComplexType(dtype)) return false;
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "masked_fill_ only supports boolean masks, but got mask with dtype ",
+              mask.scalar_type());
+  const std::vector<int64_t> shape = at::infer_size(self.sizes(), mask.sizes());
+  return Ret(s, at::empty(shape, self.options()));
+}
 
 // sum.dim_IntList / mean.dim: (self, int[1]? dim, bool keepdim, *, ScalarType? dtype)
 template <at::Tensor (*Fn)(const at::Tensor&, at::OptionalIntArrayRef, bool, std::optional<at::ScalarType>)>
-void DimReduce(Stack& s) {
+bool DimReduce(Stack& s) {
   std::optional<std::vector<int64_t>> dim;
   if (!s[1].isNone()) dim = s[1].toIntVector();
   at::OptionalIntArrayRef ref = dim ? at::OptionalIntArrayRef(*dim) : at::OptionalIntArrayRef(std::nullopt);
-  Ret(s, Fn(T(s, 0), ref, s[2].toBool(), Dtype(s, 3)));
+  return Ret(s, Fn(T(s, 0), ref, s[2].toBool(), Dtype(s, 3)));
 }
 
 // _softmax/_log_softmax(self, dim, half_to_float): the C++ meta function
@@ -101,6 +222,36 @@ const at::Tensor& HalfToFloat(const Stack& s) {
 const std::unordered_map<std::string, CppMetaKernel>& Table() {
   static const auto* table = new std::unordered_map<std::string, CppMetaKernel>{
       {"aten::add.Tensor", BINARY_ALPHA(add)},
+      {"aten::add.Scalar", WRAPPED_ALPHA(add)},
+      {"aten::sub.Scalar", WRAPPED_ALPHA(sub)},
+      {"aten::mul.Scalar", WRAPPED(mul)},
+      {"aten::div.Scalar", WRAPPED(div)},
+      {"aten::native_layer_norm", NativeLayerNorm},
+      {"aten::masked_fill.Scalar", MaskedFill},
+      {"aten::where.self", Where},
+      {"aten::relu", Relu},
+      {"aten::abs", Abs},
+      {"aten::clamp",
+       [](Stack& s) {
+         const std::optional<at::Scalar> lo = s[1].isNone() ? std::nullopt : std::optional<at::Scalar>(S(s, 1));
+         const std::optional<at::Scalar> hi = s[2].isNone() ? std::nullopt : std::optional<at::Scalar>(S(s, 2));
+         return Ret(s, at::meta::clamp(T(s, 0), lo, hi));
+       }},
+      {"aten::clamp_min", BINARY_SCALAR(clamp_min)},
+      {"aten::clamp_max", BINARY_SCALAR(clamp_max)},
+      {"aten::erf", UNARY(erf)},
+      {"aten::log", UNARY(log)},
+      {"aten::log1p", UNARY(log1p)},
+      {"aten::log2", UNARY(log2)},
+      {"aten::log10", UNARY(log10)},
+      {"aten::floor", UNARY(floor)},
+      {"aten::ceil", UNARY(ceil)},
+      {"aten::round", UNARY(round)},
+      {"aten::trunc", UNARY(trunc)},
+      {"aten::sign", UNARY(sign)},
+      {"aten::reciprocal", UNARY(reciprocal)},
+      {"aten::expm1", UNARY(expm1)},
+      {"aten::exp2", UNARY(exp2)},
       {"aten::add_.Tensor", INPLACE_BINARY_ALPHA(add_)},
       {"aten::sub.Tensor", BINARY_ALPHA(sub)},
       {"aten::sub_.Tensor", INPLACE_BINARY_ALPHA(sub_)},
@@ -137,37 +288,39 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
       {"aten::sigmoid", UNARY(sigmoid)},
       {"aten::silu", UNARY(silu)},
       {"aten::bitwise_not", UNARY(bitwise_not)},
-      {"aten::gelu", [](Stack& s) { Ret(s, at::meta::gelu(T(s, 0), s[1].toStringView())); }},
+      {"aten::gelu", [](Stack& s) { return Ret(s, at::meta::gelu(T(s, 0), s[1].toStringView())); }},
       {"aten::all", UNARY(all)},
       {"aten::any", UNARY(any)},
-      {"aten::all.dim", [](Stack& s) { Ret(s, at::meta::all(T(s, 0), s[1].toInt(), s[2].toBool())); }},
-      {"aten::any.dim", [](Stack& s) { Ret(s, at::meta::any(T(s, 0), s[1].toInt(), s[2].toBool())); }},
+      {"aten::all.dim", [](Stack& s) { return Ret(s, at::meta::all(T(s, 0), s[1].toInt(), s[2].toBool())); }},
+      {"aten::any.dim", [](Stack& s) { return Ret(s, at::meta::any(T(s, 0), s[1].toInt(), s[2].toBool())); }},
       {"aten::sum.dim_IntList", DimReduce<&at::meta::sum>},
       {"aten::mean.dim", DimReduce<&at::meta::mean>},
       {"aten::amax",
        [](Stack& s) {
          const std::vector<int64_t> dim = s[1].toIntVector();
-         Ret(s, at::meta::amax(T(s, 0), dim, s[2].toBool()));
+         return Ret(s, at::meta::amax(T(s, 0), dim, s[2].toBool()));
        }},
       {"aten::argmax",
        [](Stack& s) {
          const std::optional<int64_t> dim = s[1].isNone() ? std::nullopt : std::optional<int64_t>(s[1].toInt());
-         Ret(s, at::meta::argmax(T(s, 0), dim, s[2].toBool()));
+         return Ret(s, at::meta::argmax(T(s, 0), dim, s[2].toBool()));
        }},
-      {"aten::cumsum", [](Stack& s) { Ret(s, at::meta::cumsum(T(s, 0), s[1].toInt(), Dtype(s, 2))); }},
+      {"aten::cumsum", [](Stack& s) { return Ret(s, at::meta::cumsum(T(s, 0), s[1].toInt(), Dtype(s, 2))); }},
       {"aten::cat",
        [](Stack& s) {
          const c10::List<at::Tensor> tensors = s[0].toTensorList();
-         Ret(s, at::meta::cat(tensors, s[1].toInt()));
+         return Ret(s, at::meta::cat(tensors, s[1].toInt()));
        }},
-      {"aten::tril", [](Stack& s) { Ret(s, at::meta::tril(T(s, 0), s[1].toInt())); }},
-      {"aten::triu", [](Stack& s) { Ret(s, at::meta::triu(T(s, 0), s[1].toInt())); }},
-      {"aten::_softmax", [](Stack& s) { Ret(s, at::meta::_softmax(HalfToFloat(s), s[1].toInt(), s[2].toBool())); }},
+      {"aten::tril", [](Stack& s) { return Ret(s, at::meta::tril(T(s, 0), s[1].toInt())); }},
+      {"aten::triu", [](Stack& s) { return Ret(s, at::meta::triu(T(s, 0), s[1].toInt())); }},
+      {"aten::_softmax",
+       [](Stack& s) { return Ret(s, at::meta::_softmax(HalfToFloat(s), s[1].toInt(), s[2].toBool())); }},
       {"aten::_log_softmax",
-       [](Stack& s) { Ret(s, at::meta::_log_softmax(HalfToFloat(s), s[1].toInt(), s[2].toBool())); }},
+       [](Stack& s) { return Ret(s, at::meta::_log_softmax(HalfToFloat(s), s[1].toInt(), s[2].toBool())); }},
       {"aten::bmm", BINARY(bmm)},
       {"aten::mm", BINARY(mm)},
-      {"aten::addmm", [](Stack& s) { Ret(s, at::meta::addmm(T(s, 0), T(s, 1), T(s, 2), S(s, 3), S(s, 4))); }},
+      {"aten::addmm",
+       [](Stack& s) { return Ret(s, at::meta::addmm(T(s, 0), T(s, 1), T(s, 2), S(s, 3), S(s, 4))); }},
   };
   return *table;
 }
@@ -176,6 +329,8 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
 #undef BINARY
 #undef BINARY_SCALAR
 #undef BINARY_ALPHA
+#undef WRAPPED
+#undef WRAPPED_ALPHA
 #undef INPLACE_BINARY
 #undef INPLACE_BINARY_ALPHA
 

@@ -19,10 +19,21 @@
 
 namespace torch_tpu::runtime {
 
-using CppMetaKernel = void (*)(torch::jit::Stack& stack);
+// Returns false, the stack unchanged, where it declines the call (the
+// dispatcher's Meta kernel serves it then: native_layer_norm of reduced
+// precision or mixed dtypes, whose statistics' dtype the table does not
+// restate).
+using CppMetaKernel = bool (*)(torch::jit::Stack& stack);
 
 // The C++ meta kernel for `op`, or nullptr (the dispatcher's Meta kernel
 // serves it). TORCH_TPU_CPP_META=0 turns the table off.
+//
+// Besides the per-call cost, a Python meta kernel that is a reference
+// implementation (torch._refs: elementwise ops, native_layer_norm) is
+// wrapped by torch._disable_dynamo, whose first call imports torch._dynamo:
+// ~0.9 s once per process, which was 94% of the first pass over the (c)
+// block's 20 lengths (native_layer_norm's ref, the block's first op) and
+// of a TransformerEncoderLayer's first 20 forwards (mul.Scalar's).
 CppMetaKernel FindCppMeta(const c10::OperatorHandle& op);
 
 }  // namespace torch_tpu::runtime

@@ -86,6 +86,39 @@ def _cases():
         ("bmm", lambda t: t["h"] @ t["h"].transpose(1, 2)),
         ("mm", lambda t: t["f"] @ t["f"].t()),
         ("addmm", lambda t: torch.addmm(t["row"][:3], t["f"], t["ft"].t(), beta=0.5, alpha=2)),
+        # .Scalar overloads (called by C++ code and decompositions; Python passes wrapped tensors)
+        ("add.Scalar int", lambda t: torch.ops.aten.add.Scalar(t["i"], 2, 3)),
+        ("sub.Scalar", lambda t: torch.ops.aten.sub.Scalar(t["ft"], 1.5, 2)),
+        ("mul.Scalar int*float", lambda t: torch.ops.aten.mul.Scalar(t["i"], 2.5)),
+        ("div.Scalar int", lambda t: torch.ops.aten.div.Scalar(t["i"], 2)),
+        ("native_layer_norm out", lambda t: torch.ops.aten.native_layer_norm(t["h"], [4], t["h"][0, 0], t["h"][1, 0], 1e-5)[0]),
+        ("native_layer_norm mean", lambda t: torch.ops.aten.native_layer_norm(t["h"].float(), [3, 4], None, None, 1e-5)[1]),
+        ("native_layer_norm rstd", lambda t: torch.ops.aten.native_layer_norm(t["ft"], [4], None, None, 1e-5)[2]),
+        ("masked_fill", lambda t: t["ft"].masked_fill(t["b"], -1.5)),
+        ("masked_fill broadcast int", lambda t: t["i"].masked_fill(t["b"][0], 7)),
+        ("where promote", lambda t: torch.where(t["b"], t["i"], t["ft"])),
+        ("where broadcast", lambda t: torch.where(t["f"] > 0, t["row"], 0.5)),
+        ("relu", lambda t: torch.relu(t["ft"])),
+        ("relu int", lambda t: torch.relu(t["i"])),
+        ("clamp", lambda t: t["f"].clamp(-0.5, 0.5)),
+        ("clamp max int", lambda t: t["i"].clamp(max=1)),
+        ("clamp_min", lambda t: torch.clamp_min(t["ft"], 0.1)),
+        ("clamp_max int float", lambda t: torch.clamp_max(t["i"], 0.5)),
+        ("erf", lambda t: torch.erf(t["f"])),
+        ("log int", lambda t: torch.log(t["i"].abs() + 1)),
+        ("log1p", lambda t: torch.log1p(t["ft"].abs())),
+        ("log2", lambda t: torch.log2(t["h"].abs() + 1)),
+        ("log10", lambda t: torch.log10(t["f"].abs() + 1)),
+        ("floor", lambda t: torch.floor(t["ft"] * 3)),
+        ("ceil int", lambda t: torch.ceil(t["i"])),
+        ("round", lambda t: torch.round(t["f"] * 3)),
+        ("trunc", lambda t: torch.trunc(t["ft"] * 3)),
+        ("sign", lambda t: torch.sign(t["i"])),
+        ("reciprocal int", lambda t: torch.reciprocal(t["i"] + 10)),
+        ("expm1", lambda t: torch.expm1(t["f"])),
+        ("exp2 int", lambda t: torch.exp2(t["i"])),
+        ("abs", lambda t: torch.abs(t["ft"])),
+        ("abs int", lambda t: torch.abs(t["i"])),
     ], {"f": f, "i": i, "b": b, "ft": ft, "row": row, "h": h}
 
 
@@ -143,3 +176,37 @@ def test_table_ops_run_no_python_meta_kernel(cpp_meta, tmp_path):
         assert out["hits"] == 0, out
     else:
         assert out["hits"] > 0, out  # the control: the dispatcher's Meta kernels are Python ones
+
+
+# The first call of a Python meta kernel that is a reference implementation
+# (torch._refs: elementwise ops, native_layer_norm) imports torch._dynamo
+# (torch._disable_dynamo wraps it): ~0.9 s once per process, 94% of the first
+# pass over issue 12's (c) block and of a TransformerEncoderLayer's first 20
+# forwards. A transformer's common ops have C++ meta kernels: no import.
+NO_DYNAMO_IMPORT = r"""
+import json, sys, torch, torch_tpu
+import torch.nn.functional as F
+torch_tpu.set_eager_mode("strict")
+before = "torch._dynamo" in sys.modules
+x = torch.randn(2, 5, 8).to("tpu")
+w, b = torch.ones(8).to("tpu"), torch.zeros(8).to("tpu")
+m = torch.ones(5, 5, dtype=torch.bool).tril().to("tpu")
+s = torch.randn(2, 5, 5).to("tpu")
+h = F.layer_norm(x, (8,), w, b)
+r = [h, F.relu(h), h * 0.5, torch.ops.aten.mul.Scalar(h, 0.5), torch.ops.aten.add.Scalar(h, 1),
+     s.masked_fill(~m, float("-inf")).softmax(-1), torch.where(m, s, 0.0), h.clamp(-1, 1), torch.log1p(h.abs()),
+     torch.erf(h), F.gelu(h), F.silu(h), torch.rsqrt(h.abs() + 1)]
+for t in r:
+    t.cpu()
+print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
+"""
+
+
+@pytest.mark.parametrize("cpp_meta", ["1", "0"])
+def test_common_ops_do_not_import_dynamo(cpp_meta, tmp_path):
+    r = run_python(NO_DYNAMO_IMPORT, env={"TORCH_TPU_CACHE_DIR": str(tmp_path), "TORCH_TPU_CPP_META": cpp_meta},
+                   timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not out["before"], out
+    assert out["after"] == (cpp_meta == "0"), out  # the control: Python refs import it
