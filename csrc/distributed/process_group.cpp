@@ -150,6 +150,9 @@ struct Staging {
     if (!memory) return {};
     const size_t offset = static_cast<size_t>(t.storage_offset()) * t.element_size();
     if (offset + t.nbytes() > memory->size()) return {};
+    // Written through its memory: the storage's host copy of an upload
+    // (StorageBuffer::host) no longer holds its bytes.
+    if (writes) storage.DropHostShadow();
     at::Tensor host = at::from_blob(static_cast<char*>(memory->data()) + offset, t.sizes(),
                                     at::TensorOptions().dtype(t.scalar_type()).device(at::kCPU));
     direct.push_back({t, host, std::move(buffer), std::move(memory), writes});
@@ -162,14 +165,17 @@ struct Staging {
     return false;
   }
   // After gloo finished: a written storage that still holds its buffer gets
-  // a new write id (the buffer's bytes changed); one that took a new buffer
+  // a new write id (the buffer's bytes changed) and no host copy of them;
+  // one that took a new buffer
   // (written before wait()) gets the result copied in.
   void FinishDirect() {
     for (auto& d : direct) {
       if (!d.writes) continue;
       runtime::DeviceStorage& storage = runtime::StorageOf(d.tensor);
       if (!storage.pending() && storage.current().buffer == d.buffer) {
-        storage.Set(storage.current());
+        runtime::StorageBuffer written = storage.current();
+        written.host.reset();  // the host copy of an upload: the bytes it had before the collective
+        storage.Set(std::move(written));
       } else {
         d.tensor.copy_(d.host);
       }

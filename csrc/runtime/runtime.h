@@ -95,8 +95,9 @@ struct StorageBuffer {
   // a bucket program that needs the buffer at another size uploads it again
   // from here instead of compiling a resize program per (size, size) pair
   // (ResizeStorageBuffer). Always the same bytes as the buffer's first
-  // ones: every write replaces the StorageBuffer (DeviceStorage::Set) or
-  // sets it anew (Runtime::OverwriteInPlace).
+  // ones: every write replaces the StorageBuffer (DeviceStorage::Set), sets
+  // it anew (Runtime::OverwriteInPlace) or drops it (a zero-copy collective
+  // writing the buffer's memory, csrc/distributed/process_group.cpp Direct).
   std::shared_ptr<const std::vector<char>> host;
 };
 // Host uploads up to this size keep StorageBuffer::host (1 MiB).

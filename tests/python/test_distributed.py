@@ -1017,6 +1017,23 @@ def _zero_copy_worker(rank, world, args):
         if report[f"coalesced_{kind}"] == "ok" and moved != nbytes:
             report[f"coalesced_{kind}"] = f"{moved} bytes moved, expected {nbytes} (the results' download)"
     dist.barrier()
+    # An upload written in place by a zero-copy all_reduce, then read by a
+    # bucket program at another buffer size (a [2, n, 8] family whose bucket
+    # buffer is 2 * 16 * 8 elements): the buffer is resized from the storage's
+    # values after the collective, never from the bytes uploaded before it
+    # (StorageBuffer::host, session 22).
+    def f(z):
+        return z * 2.5 - 1
+    for n in (3, 5, 7, 9):
+        for _ in range(2):
+            f(torch.randn(2, n, 8, dtype=torch.float64).to("tpu")).cpu()
+        torch_tpu.metrics()  # the bucket program compiled
+    u = torch.randn(2, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    t = u.to("tpu")
+    dist.all_reduce(t)
+    c = u.clone()
+    dist.all_reduce(c, group=cpu_group)
+    check("all_reduce_then_bucket_read", [f(t).cpu()], [f(c)])
     # TORCH_TPU_DIST_ZERO_COPY: '0' makes a staged group, anything but '0'/'1' raises
     os.environ["TORCH_TPU_DIST_ZERO_COPY"] = "0"
     report["staged_group"] = dist.new_group(backend="tpu_dist")._get_backend(torch.device("tpu")).zero_copy
@@ -1035,7 +1052,7 @@ ZERO_COPY_CASES = ("all_reduce", "all_reduce_avg", "all_reduce_premul", "view_in
                    "capacity_1001", "element_read_after", "shared_buffer_staged", "non_contiguous_staged",
                    "pending_reader", "fused_pending_region", "broadcast", "all_gather_into_tensor",
                    "all_gather_into_tensor_in_place", "reduce_scatter_tensor", "coalesced_all_reduce",
-                   "coalesced_all_gather", "coalesced_reduce_scatter")
+                   "coalesced_all_gather", "coalesced_reduce_scatter", "all_reduce_then_bucket_read")
 
 
 @pytest.fixture(scope="module")
