@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/TensorIterator.h>
+#include <ATen/native/cpu/mixed_data_type.h>
 #include <ATen/native/layer_norm.h>
 #include <ATen/ops/_log_softmax_meta_dispatch.h>
 #include <ATen/ops/_softmax_meta_dispatch.h>
@@ -107,17 +108,22 @@ at::Tensor Wrapped(const Stack& s, size_t i) { return at::native::wrapped_scalar
 
 // native_layer_norm(input, normalized_shape, weight?, bias?, eps) -> (out,
 // mean, rstd), as CPU's layer_norm_cpu (aten/src/ATen/native/layer_norm.cpp)
-// builds them: its argument checks (_check_layer_norm_inputs), out
-// contiguous like the input, mean and rstd of the input's dtype shaped
-// input.shape[:axis] + [1] * len(normalized_shape). float32/float64 with
-// weight and bias of that dtype only; other dtypes decline (CPU keeps
-// reduced-precision statistics in float where the parameters are float).
+// builds them: its dtype checks (a parameter of another dtype than the
+// input is CPU's "mixed dtype" error unless the input is bfloat16/half and
+// the parameters float: raised here, the call runs CPU's kernel, which
+// raises it; review, session 22: an int64 weight gave values) and argument
+// checks (_check_layer_norm_inputs), out contiguous like the input, mean
+// and rstd of the input's dtype shaped input.shape[:axis] + [1] *
+// len(normalized_shape). float32/float64 with weight and bias of that dtype
+// only; other dtypes decline (CPU keeps reduced-precision statistics in
+// float where the parameters are float).
 bool NativeLayerNorm(Stack& s) {
   const at::Tensor& input = T(s, 0);
   const std::vector<int64_t> shape = s[1].toIntVector();
   const at::Tensor weight = s[2].isNone() ? at::Tensor() : T(s, 2);
   const at::Tensor bias = s[3].isNone() ? at::Tensor() : T(s, 3);
   const at::ScalarType dtype = input.scalar_type();
+  if (at::native::is_mixed_type(input, weight, bias)) at::native::check_mixed_data_type(input, weight, bias);
   if (dtype != at::kFloat && dtype != at::kDouble) return false;
   if ((weight.defined() && weight.scalar_type() != dtype) || (bias.defined() && bias.scalar_type() != dtype))
     return false;

@@ -210,3 +210,21 @@ def test_common_ops_do_not_import_dynamo(cpp_meta, tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert not out["before"], out
     assert out["after"] == (cpp_meta == "0"), out  # the control: Python refs import it
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "debug"])
+def test_layer_norm_mixed_dtypes_raise_as_cpu(mode):
+    """A weight of another dtype than a float32/float64 input is CPU's
+    "mixed dtype" error on every call (review, session 22: the device
+    program, the third strict call, returned values)."""
+    x = torch.randn(3, 2, dtype=torch.float64)
+    for w in (torch.tensor([1, 2]), torch.ones(2)):  # int64, float32
+        with pytest.raises(RuntimeError) as cpu:
+            torch.ops.aten.native_layer_norm(x, [2], w, None, 1e-5)
+        with torch_tpu.eager_mode(mode):
+            for i in range(3):
+                if i == 2:
+                    torch_tpu.metrics()
+                with pytest.raises(RuntimeError) as got:
+                    torch.ops.aten.native_layer_norm(x.to("tpu"), [2], w.to("tpu"), None, 1e-5)[0].cpu()
+                assert str(cpu.value).splitlines()[0] in str(got.value), (str(got.value), str(cpu.value))
