@@ -2680,10 +2680,14 @@ void BucketKey(const c10::OperatorHandle& op, const torch::jit::Stack& stack, si
 // fused +4 call's excess over strict's). The entry has no program: it
 // stays in recorded_ (strict lookups never read it; a region built from it
 // lowers the call with this spec). Not for calls with out= tensors, n = 0,
-// or a bucket program whose spec resizes.
+// or a bucket program whose spec resizes. `ripe` is set where no bucket
+// program exists yet but strict mode would build one for the call (a family
+// that compiled kPolyAfter shapes, not an n = 1 multi-dim call): the call's
+// exact program would never be used (Lookup's spec_only path then keeps a
+// meta-kernel spec only).
 std::shared_ptr<CompiledOp> OpCache::SpecFromBucket(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
                                                     size_t first, const lowering::LoweringEntry& entry,
-                                                    const OpKey& key) {
+                                                    const OpKey& key, bool* ripe) {
   const auto& args = op.schema().arguments();
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = stack[first + i];
@@ -2694,18 +2698,25 @@ std::shared_ptr<CompiledOp> OpCache::SpecFromBucket(const c10::OperatorHandle& o
   thread_local OpKey family_key;
   thread_local OpKey poly_key;
   std::shared_ptr<const CompiledOp> bucket;
+  bool strict_builds = false;  // a ripe family before `bucket`'s would build its program in Lookup
   while (!bucket && candidates.Next(plan, key.op, family_key)) {
-    auto it = families_.find(family_key.hash);
-    if (it == families_.end() || it->second.count < kPolyAfter || plan.extent < 1) continue;
-    int64_t min_n = it->second.min_n, max_n = it->second.max_n;
+    // The extents Lookup's loop notes, as it notes them (idempotent: it
+    // notes them again when the call runs).
+    Family& fam = families_[family_key.hash];
     if (plan.dim >= 0) {
-      min_n = std::min(min_n, plan.extent);
-      max_n = std::max(max_n, plan.extent);
+      fam.min_n = std::min(fam.min_n, plan.extent);
+      fam.max_n = std::max(fam.max_n, plan.extent);
     }
-    BucketKey(op, stack, first, entry, min_n, max_n, key.op, plan, poly_key);
+    if (fam.count < kPolyAfter || plan.extent < 1) continue;
+    BucketKey(op, stack, first, entry, fam.min_n, fam.max_n, key.op, plan, poly_key);
     bucket = cache_.Find(poly_key);
+    if (!bucket && plan.multi_n != 1) *ripe = strict_builds = true;
   }
   if (!bucket || bucket->poly_leader < 0 || !bucket->spec.resize_outputs.empty()) return nullptr;
+  // The exact key serves the call's strict lookup directly (a region run op
+  // by op looks it up again), as Lookup's loop makes it serve, where that
+  // loop would reach the same program.
+  if (!strict_builds) cache_.Insert(key, bucket);
   const at::Tensor& leader = TensorItem(stack[first + static_cast<size_t>(bucket->poly_leader)], bucket->poly_leader_item);
   auto derived = std::make_shared<CompiledOp>();
   derived->name = bucket->name;
@@ -2806,10 +2817,29 @@ std::shared_ptr<const CompiledOp> OpCache::Lookup(const c10::OperatorHandle& op,
         return hit;
       }
     }
-    if (!offsets) {
-      if (auto derived = SpecFromBucket(op, stack, first, entry, key)) {
+    // A view at an offset too: strict mode's bucket programs for it keep
+    // the offset in their key (BucketKey), as the call's spec does not.
+    bool ripe = false;
+    if (auto derived = SpecFromBucket(op, stack, first, entry, key, &ripe)) {
+      metrics.cache_misses++;
+      return recorded_.Insert(key, std::move(derived));
+    }
+    // A family strict mode serves with a bucket program it has not built
+    // yet: the call's spec from the meta kernel, no lowering (its exact
+    // program would never run: the region lowers the call itself, a call
+    // run op by op builds the bucket program). The (c) block of
+    // bench_dynamic_shapes recorded 118 such keys in its first pass, ~30 us
+    // each to lower and print (fused's first pass 1.1-1.25x strict's).
+    if (ripe) {
+      CallSpec spec = ComputeSpec(op, stack, first, entry.traits.out_resized_by_numel);
+      if (spec.resize_outputs.empty()) {
+        auto built = std::make_shared<CompiledOp>();
+        built->entry = &entry;
+        built->name = op.schema().name();
+        built->out_resize = spec.out_resize;
+        built->spec = std::move(spec);
         metrics.cache_misses++;
-        return recorded_.Insert(key, std::move(derived));
+        return recorded_.Insert(key, std::move(built));
       }
     }
     if (flush_for_out()) return relookup();

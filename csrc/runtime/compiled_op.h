@@ -628,7 +628,8 @@ class OpCache {
   };
   std::unordered_map<size_t, Family> families_;
   std::shared_ptr<CompiledOp> SpecFromBucket(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
-                                             size_t first, const lowering::LoweringEntry& entry, const OpKey& key);
+                                             size_t first, const lowering::LoweringEntry& entry, const OpKey& key,
+                                             bool* ripe);
 };
 
 OpCache& GlobalOpCache();

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <limits>
 #include <cstdlib>
 #include <filesystem>
@@ -17,6 +18,8 @@
 #include <mutex>
 #include <random>
 #include <sstream>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 namespace torch_tpu::runtime {
@@ -60,17 +63,23 @@ DiskCache::DiskCache(std::string directory, int64_t max_bytes)
     : directory_(std::move(directory)), max_bytes_(max_bytes) {}
 
 std::string DiskCache::Key(pjrt::Client& client, std::string_view module_text, const pjrt::CompileOptions& options) {
+  // Everything before the environment and the module text, per client and
+  // options: built once (the plugin's attributes and the options' SHA-1 cost
+  // microseconds a lookup, and every new single-op key asks Has).
+  static std::mutex mutex;
+  static std::unordered_map<std::string, std::string> prefixes;  // client address + options -> prefix
+  std::string options_text = options.Serialize();
+  std::string memo = std::to_string(reinterpret_cast<uintptr_t>(&client)) + "\n" + options_text;
   std::string key;
-  key += kTorchTpuVersion;
-  key += "\nplatform ";
-  key += client.platform_name();
-  key += " ";
-  key += client.platform_version();
-  key += "\npjrt ";
-  key += std::to_string(client.plugin()->api_major()) + "." + std::to_string(client.plugin()->api_minor());
-  for (const auto& [name, value] : client.plugin()->attributes()) key += "\nattr " + name + "=" + value;
-  key += "\noptions ";
-  key += Sha1(options.Serialize());
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (auto it = prefixes.find(memo); it != prefixes.end()) key = it->second;
+  }
+  if (key.empty()) {
+    key = Prefix(client, options_text);
+    std::lock_guard<std::mutex> lock(mutex);
+    prefixes.emplace(std::move(memo), key);
+  }
   // Compiler flags the plugins read from the environment change the code
   // compiled for the same module and options (XLA_FLAGS: the XLA CPU and
   // CUDA plugins; LIBTPU_INIT_ARGS: libtpu).
@@ -83,7 +92,33 @@ std::string DiskCache::Key(pjrt::Client& client, std::string_view module_text, c
   return key;
 }
 
-std::string DiskCache::EntryPath(const std::string& key) const { return directory_ + "/" + Sha1(key) + ".pjrt"; }
+std::string DiskCache::Prefix(pjrt::Client& client, const std::string& options_text) {
+  std::string key;
+  key += kTorchTpuVersion;
+  key += "\nplatform ";
+  key += client.platform_name();
+  key += " ";
+  key += client.platform_version();
+  key += "\npjrt ";
+  key += std::to_string(client.plugin()->api_major()) + "." + std::to_string(client.plugin()->api_minor());
+  for (const auto& [name, value] : client.plugin()->attributes()) key += "\nattr " + name + "=" + value;
+  key += "\noptions ";
+  key += Sha1(options_text);
+  return key;
+}
+
+// The file name only spreads entries over names: Load compares the whole key
+// stored in the entry, so two keys with one name cost a compile, never a
+// wrong executable. std::hash (libstdc++'s murmur hash, ~8 GB/s) and the
+// key's length, not the key's SHA-1 (c10::sha1, ~200 MB/s: ~20 us for a
+// 4 KB single-op module, asked by Has for every new key: 10-13% of the
+// (c) block's first pass in bench_dynamic_shapes). A name collision needs
+// two keys of one length and one 64-bit hash: ~1e-10 for a 43k-entry cache.
+std::string DiskCache::EntryPath(const std::string& key) const {
+  char name[48];
+  std::snprintf(name, sizeof(name), "%016zx%08zx", std::hash<std::string_view>()(key), key.size() & 0xffffffffu);
+  return directory_ + "/" + name + ".pjrt";
+}
 
 namespace {
 // Modules with a float8 type (StableHLO's f8E5M2, f8E4M3FN, ...) bypass the

@@ -1,7 +1,7 @@
 // torch_tpu on-disk executable cache (DESIGN.md, "Executable cache").
 //
-// Entries are serialized PJRT executables, one file each, named by the SHA-1
-// of their key. The key is the full text of what determines the executable:
+// Entries are serialized PJRT executables, one file each, named by a 64-bit
+// hash and the length of their key (EntryPath). The key is the full text of what determines the executable:
 // the StableHLO module, the serialized compile options, the plugin's
 // platform, version and attributes, the PJRT API version and the torch_tpu
 // version. The key is stored in the entry and compared in full on load, so a
@@ -75,6 +75,8 @@ class DiskCache {
 
  private:
   std::string EntryPath(const std::string& key) const;
+  // The key's text before the environment's compiler flags and the module.
+  static std::string Prefix(pjrt::Client& client, const std::string& options_text);
   std::unique_ptr<pjrt::Executable> Load(pjrt::Client& client, const std::string& path, const std::string& key);
   // Writes the entry; returns its size in bytes.
   int64_t Store(const std::string& path, const std::string& key, const std::string& payload);

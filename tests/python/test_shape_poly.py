@@ -780,8 +780,11 @@ MATMUL_LENGTHS = [0, 1, 2, 15, 16, 17, 19, 20, 21, 127, 128, 129]
 
 def _device_result(fn):
     """fn()'s result from the device program: in strict mode host-first serves a key's first
-    two calls on the CPU (the second queues its compile; metrics() waits for it)."""
+    two calls on the CPU (the second, after a sync point, queues its compile; metrics() waits
+    for it). Without the sync the two calls are one sync epoch, which queues nothing: the
+    tests passed only where the shared disk cache held the programs (loaded at once)."""
     fn()
+    torch.tpu.synchronize()
     fn()
     torch_tpu.metrics()
     return fn()
