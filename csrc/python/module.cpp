@@ -43,6 +43,7 @@ py::dict Metrics() {
   d["fused_regions"] = m.fused_regions.load();
   d["fused_region_outputs"] = m.fused_region_outputs.load();
   d["fused_regions_op_by_op"] = m.fused_regions_op_by_op.load();
+  d["fused_regions_passed_through"] = m.fused_regions_passed_through.load();
   d["donated_buffers"] = m.donated_buffers.load();
   d["host_served"] = m.host_served.load();
   d["host_first_declined"] = m.host_first_declined.load();

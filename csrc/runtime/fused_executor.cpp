@@ -23,7 +23,9 @@
 // run one by one meanwhile, each as strict mode runs it (RunStrict:
 // host-served until its single-op program exists, that compile queued at
 // the key's 2nd call); so do the regions of a structure that keeps changing
-// sizes (churn, below) and a region that fails to build or compile.
+// sizes (churn, below) and a region that fails to build or compile. A
+// churning structure's next regions are not even recorded: their calls run
+// at once (pass-through, below).
 //
 // A torch.compile graph launched in fused mode is recorded as ONE call of
 // the region (RecordGraph): its inputs are read like any call's arguments,
@@ -46,6 +48,7 @@
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "lowering/helpers.h"
 #include "runtime/compiled_op.h"
@@ -246,6 +249,68 @@ constexpr size_t kMaxSignatures = size_t{1} << 16;  // last-seen map bound (clea
 constexpr int kMaxSizesPerStructure = 2;
 constexpr int kHotRecurrence = 4;
 constexpr size_t kMaxStructures = 4096;
+
+// Churn pass-through. A churning structure's region runs op by op anyway;
+// recording it first (a spec lookup, a key, pending outputs per call) and
+// then running each call as strict mode does cost ~8 us a call on top of
+// strict mode's: the (c) block of bench_dynamic_shapes (20 sequence
+// lengths through a transformer block) was 1.1-1.25x slower in fused mode
+// than in strict mode in its first pass. So after a churning region that
+// ended at a sync point, the next region's calls run at once, as strict
+// mode runs them (RunStrict), unrecorded, when its first call predicts the
+// same structure: its op is the first op of a churning structure, and its
+// sizes (SizeSignature) are not those of a key that is compiled or hot
+// (those regions are recorded: they run as one program or compile). At the
+// next sync point the passed-through region is checked: its op sequence
+// must be a churning structure's, else the prediction was wrong (a region
+// of another structure began with that op) and regions beginning with that
+// op are recorded from then on. Its sizes count towards kHotRecurrence as a
+// recorded op-by-op run does (by size signature in both): at its
+// kHotRecurrence - 1-th run its next sight is recorded, and compiles as a
+// hot key. Never inside a multi-tensor op or for a graph call (recorded,
+// as before). A call raises its error at once, as in strict mode.
+// TORCH_TPU_FUSED_PASS_THROUGH=0 records every region.
+bool PassThroughEnabled() {
+  static const bool on = EnvFlag("TORCH_TPU_FUSED_PASS_THROUGH", true);
+  return on;
+}
+
+// A call's op (the schema's address) for structure hashes.
+size_t OpSignature(const c10::OperatorHandle& op) { return std::hash<const void*>()(&op.schema()); }
+
+// A call's op and the static parts of its arguments: each tensor's dtype,
+// sizes and strides (not its offset or values), integers, booleans and
+// integer lists (view sizes, dims). Two calls of one region key have one
+// signature; a collision only mispredicts pass-through, never a value.
+size_t SizeSignature(const c10::OperatorHandle& op, std::span<const c10::IValue> args) {
+  size_t h = OpSignature(op);
+  auto tensor = [&](const at::Tensor& t) {
+    if (!t.defined()) {
+      h = c10::hash_combine(h, 0x9e37);
+      return;
+    }
+    h = c10::hash_combine(h, static_cast<size_t>(t.scalar_type()) + 1);
+    h = c10::hash_combine(h, static_cast<size_t>(t.dim()));
+    for (int64_t d : t.sizes()) h = c10::hash_combine(h, static_cast<size_t>(d));
+    for (int64_t d : t.strides()) h = c10::hash_combine(h, static_cast<size_t>(d));
+  };
+  for (const auto& v : args) {
+    if (v.isTensor()) {
+      tensor(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorVector()) tensor(t);
+    } else if (v.isInt()) {
+      h = c10::hash_combine(h, static_cast<size_t>(v.toInt()));
+    } else if (v.isBool()) {
+      h = c10::hash_combine(h, v.toBool() ? 3 : 5);
+    } else if (v.isIntList()) {
+      for (int64_t d : v.toIntVector()) h = c10::hash_combine(h, static_cast<size_t>(d));
+    } else {
+      h = c10::hash_combine(h, static_cast<size_t>(v.tagKind().size()));
+    }
+  }
+  return h;
+}
 std::atomic<int> hot_compiles_outstanding{0};  // hot keys' background compiles queued or running
 
 // TORCH_TPU_FUSED_LOOPS=0 turns loop detection off (regions end at sync
@@ -263,6 +328,7 @@ class FusedExecutor {
     static const bool env_read = (MaxOps(), GraphBarrier(), LoopsEnabled(), true);
     (void)env_read;
     std::lock_guard<std::recursive_mutex> lock(mutex_);
+    if (pass_through_ && PassThrough(op, stack, entry)) return;
     const size_t num_args = op.schema().arguments().size();
     const size_t first = stack->size() - num_args;
     // Validates the call and gives its spec (throws UnsupportedOp before any
@@ -365,6 +431,7 @@ class FusedExecutor {
   // A compiled graph's launch as one call (RecordGraphCall).
   std::vector<at::Tensor> RecordGraph(std::shared_ptr<GraphProgram> graph, const std::vector<at::Tensor>& given) {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
+    EndPassThrough();  // graph calls are recorded
     const int device_index = graph->CheckInputs(given);
     // Inputs the program cannot take as they are (views, conjugate bits, a
     // buffer of another capacity) are copied contiguous first: recorded
@@ -424,6 +491,7 @@ class FusedExecutor {
 
   void Flush() {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
+    EndPassRegion();  // a sync point ends a passed-through region
     FlushLocked(Cause::kSync);
   }
 
@@ -434,10 +502,12 @@ class FusedExecutor {
 
   void ClearCache() {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
+    EndPassThrough();
     FlushLocked(Cause::kSync);
     regions_.Clear();
     structures_.clear();
-    op_by_op_keys_.clear();
+    churn_counts_.clear();
+    ClearPassThroughState();
   }
 
  private:
@@ -501,11 +571,18 @@ class FusedExecutor {
       rest_created.assign(created_.begin() + static_cast<std::ptrdiff_t>(split), created_.end());
       created_.erase(created_.begin() + static_cast<std::ptrdiff_t>(split), created_.end());
     }
+    arm_pass_through_ = false;
     try {
       FlushRegion(/*last=*/rest.empty());
     } catch (...) {
       Rerecord(rest, rest_created, n);
       throw;
+    }
+    // A churning structure's region that ended at a sync point: the next
+    // region may be passed through (PassThrough).
+    if (arm_pass_through_ && cause == Cause::kSync && rest.empty() && PassThroughEnabled()) {
+      pass_through_ = true;
+      pass_calls_ = 0;
     }
     Rerecord(rest, rest_created, n);
   }
@@ -663,6 +740,12 @@ class FusedExecutor {
     };
     if (region) {
       metrics.cache_hits++;
+      // A compiled key of a churning structure: the next region may be
+      // passed through (PassThrough).
+      if (CurrentMode() == EagerMode::kFused && !deferred_ && PassThroughEnabled()) {
+        auto it = structures_.find(RegionStructure());
+        if (it != structures_.end() && it->second >= kMaxSizesPerStructure) arm_pass_through_ = true;
+      }
       if (!region->ready.load(std::memory_order_acquire)) {
         // Compiling in the background: the calls run as strict mode runs
         // them meanwhile (never waiting for the region).
@@ -716,6 +799,7 @@ class FusedExecutor {
           RunOneByOne(alive);
           return;
         }
+        NoteRegionProgram();
         CompileInBackground(regions_.Insert(key_, built), name, hot);
         RunOneByOne(alive, /*region_compiling=*/true);
         return;
@@ -729,9 +813,19 @@ class FusedExecutor {
       }
       built->module_text.clear();
       built->ready.store(true, std::memory_order_release);
+      NoteRegionProgram();
       region = regions_.Insert(key_, std::move(built));
     }
     Run(*region, alive);
+  }
+
+  // The recorded region's key has a program (compiled or compiling): a
+  // region beginning with its first call's sizes is recorded, not passed
+  // through (PassThrough).
+  void NoteRegionProgram() {
+    if (CurrentMode() != EagerMode::kFused || deferred_ || calls_.empty() || calls_.front().graph) return;
+    if (wanted_first_.size() >= kMaxStructures * 16) wanted_first_.clear();
+    wanted_first_.insert(SizeSignature(*calls_.front().op, calls_.front().args));
   }
 
   // Queues `region`'s compile on the background compile thread, counted
@@ -774,24 +868,129 @@ class FusedExecutor {
   // Counts the compile otherwise; `sizes_vary` is set when the structure
   // had been compiled for another key before.
   bool Churning(bool background, bool* sizes_vary, bool* hot) {
-    size_t structure = calls_.size();
-    for (const auto& rc : calls_)
-      structure = c10::hash_combine(structure, rc.graph ? std::hash<uint64_t>()(rc.graph->uid())
-                                                        : std::hash<const void*>()(&rc.op->schema()));
+    const size_t structure = RegionStructure();
     if (structures_.size() >= kMaxStructures) {
       structures_.clear();
-      op_by_op_keys_.clear();
+      churn_counts_.clear();
+      ClearPassThroughState();
     }
     int& compiled = structures_[structure];
     *sizes_vary = compiled > 0;
     if (compiled >= kMaxSizesPerStructure) {
-      int& seen = op_by_op_keys_[RegionKeyHash()(key_)];
+      // Op-by-op runs are counted by size signature, as PassThrough counts
+      // the regions it runs.
+      const size_t sizes = RegionSizes();
+      int& seen = churn_counts_[sizes];
+      if (CurrentMode() == EagerMode::kFused && !deferred_) NoteChurning(structure, sizes);
       if (++seen < kHotRecurrence) return true;
       if (background && hot_compiles_outstanding.load(std::memory_order_acquire) > 0) return true;
       *hot = true;
     }
     ++compiled;
     return false;
+  }
+
+  // The recorded region's structure: its op sequence (graph calls by uid).
+  size_t RegionStructure() const {
+    size_t structure = 0;
+    for (const auto& rc : calls_)
+      structure = c10::hash_combine(structure, rc.graph ? std::hash<uint64_t>()(rc.graph->uid()) : OpSignature(*rc.op));
+    return c10::hash_combine(structure, calls_.size());
+  }
+
+  // The recorded region's size signature (SizeSignature of each call).
+  size_t RegionSizes() const {
+    size_t sizes = 0;
+    for (const auto& rc : calls_)
+      sizes = c10::hash_combine(sizes, rc.graph ? std::hash<uint64_t>()(rc.graph->uid()) : SizeSignature(*rc.op, rc.args));
+    return c10::hash_combine(sizes, calls_.size());
+  }
+
+  // The recorded region (of a churning structure) runs op by op: regions
+  // beginning with its first call's op may be passed through from the next
+  // sync point on; once its sizes have run op by op kHotRecurrence - 1
+  // times, a region beginning with its first call is recorded (it turns hot
+  // at its next sight).
+  void NoteChurning(size_t structure, size_t sizes) {
+    if (calls_.empty() || calls_.front().graph) return;
+    churn_structures_.insert(structure);
+    churn_first_ops_.insert(OpSignature(*calls_.front().op));
+    max_churn_calls_ = std::max(max_churn_calls_, calls_.size());
+    if (churn_counts_[sizes] + 1 >= kHotRecurrence - 1)
+      wanted_first_.insert(SizeSignature(*calls_.front().op, calls_.front().args));
+    arm_pass_through_ = true;
+  }
+
+  // Runs `op` at once as strict mode does, unrecorded, when the program is
+  // passing a churning structure's region through (see PassThroughEnabled);
+  // false: the call is to be recorded (pass-through ends).
+  bool PassThrough(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry) {
+    if (!calls_.empty() || CurrentMode() != EagerMode::kFused || OneProgramCallIndex() >= 0) {
+      EndPassThrough();
+      return false;
+    }
+    const size_t num_args = op.schema().arguments().size();
+    std::span<const c10::IValue> args = std::span<const c10::IValue>(*stack).subspan(stack->size() - num_args);
+    const size_t sizes = SizeSignature(op, args);
+    const size_t op_sig = OpSignature(op);
+    if (pass_calls_ == 0) {
+      // A region's first call: pass it through only where it begins a
+      // churning structure's region whose sizes are not to be recorded.
+      if (!churn_first_ops_.count(op_sig) || ambiguous_first_ops_.count(op_sig) || wanted_first_.count(sizes)) {
+        pass_through_ = false;
+        return false;
+      }
+      pass_first_op_ = op_sig;
+      pass_first_sizes_ = sizes;
+      pass_structure_ = 0;
+      pass_sizes_ = 0;
+    } else if (pass_calls_ >= max_churn_calls_) {
+      // Longer than any churning structure's region, and no sync point
+      // (one ends a recorded region at a read of a pending storage too; a
+      // passed-through one only at Runtime::Sync): a wrong prediction.
+      EndPassThrough();
+      return false;
+    }
+    ++pass_calls_;
+    pass_structure_ = c10::hash_combine(pass_structure_, op_sig);
+    pass_sizes_ = c10::hash_combine(pass_sizes_, sizes);
+    RunStrict(op, stack, entry);
+    return true;
+  }
+
+  // At a sync point: the passed-through region (if any) ends. Counted as a
+  // region run op by op; checked against the prediction.
+  void EndPassRegion() {
+    if (pass_calls_ == 0) return;
+    const size_t structure = c10::hash_combine(pass_structure_, pass_calls_);
+    const size_t sizes = c10::hash_combine(pass_sizes_, pass_calls_);
+    pass_calls_ = 0;
+    Runtime::Get().metrics().fused_regions_op_by_op++;
+    Runtime::Get().metrics().fused_regions_passed_through++;
+    if (!churn_structures_.count(structure)) {
+      // Not a churning structure's region: regions beginning with this op
+      // are recorded from now on (this one's structure may want a program).
+      ambiguous_first_ops_.insert(pass_first_op_);
+      return;
+    }
+    if (++churn_counts_[sizes] >= kHotRecurrence - 1) wanted_first_.insert(pass_first_sizes_);
+  }
+
+  // Pass-through ends: a region that had been passed through so far ends
+  // there (a multi-tensor op or a graph call follows, recorded).
+  void EndPassThrough() {
+    EndPassRegion();
+    pass_through_ = false;
+  }
+
+  void ClearPassThroughState() {
+    pass_through_ = false;
+    pass_calls_ = 0;
+    churn_structures_.clear();
+    churn_first_ops_.clear();
+    ambiguous_first_ops_.clear();
+    wanted_first_.clear();
+    max_churn_calls_ = 0;
   }
 
   // The new storages still referenced from outside the region: only those
@@ -1202,7 +1401,20 @@ class FusedExecutor {
   uint64_t loop_anchor_ = 0;             // a position where a loop region starts
   // Churn: compiled keys per region structure; op-by-op runs per key hash.
   std::unordered_map<size_t, int> structures_;
-  std::unordered_map<size_t, int> op_by_op_keys_;
+  std::unordered_map<size_t, int> churn_counts_;  // region size signature -> op-by-op runs
+  // Churn pass-through (PassThroughEnabled).
+  bool pass_through_ = false;       // regions may be passed through (armed at a churning region's sync)
+  bool arm_pass_through_ = false;   // set by the region being flushed (NoteChurning)
+  size_t pass_calls_ = 0;           // calls of the region being passed through
+  size_t pass_first_op_ = 0;        // its first call's op, and sizes
+  size_t pass_first_sizes_ = 0;
+  size_t pass_structure_ = 0;       // its op sequence and sizes so far
+  size_t pass_sizes_ = 0;
+  size_t max_churn_calls_ = 0;      // the longest churning structure's region, calls
+  std::unordered_set<size_t> churn_structures_;    // structures whose regions ran op by op for churn
+  std::unordered_set<size_t> churn_first_ops_;     // their first calls' ops
+  std::unordered_set<size_t> ambiguous_first_ops_; // ops that began a region of another structure
+  std::unordered_set<size_t> wanted_first_;        // first-call sizes of regions to record (compiled, hot)
   // Compiled regions by key, least recently used evicted (MaxCachedExecutables).
   LruCache<std::vector<int64_t>, CompiledRegion, RegionKeyHash> regions_;
 };

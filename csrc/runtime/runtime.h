@@ -34,6 +34,7 @@ struct Metrics {
   std::atomic<int64_t> fused_regions{0};         // fused regions run as one program
   std::atomic<int64_t> fused_region_outputs{0};  // their outputs (storages still referenced at the flush)
   std::atomic<int64_t> fused_regions_op_by_op{0};  // fused regions run call by call (churn, first sight, failed build)
+  std::atomic<int64_t> fused_regions_passed_through{0};  // of those: churning regions run unrecorded (PassThrough)
   std::atomic<int64_t> donated_buffers{0};       // input buffers reused for an in-place result
   std::atomic<int64_t> host_served{0};           // host-first calls run by the ATen CPU kernel (ServeOnHost)
   std::atomic<int64_t> host_first_declined{0};   // host-first calls whose CPU results differed from the program's: run by the program

@@ -286,8 +286,11 @@ def test_eager_tail_after_a_graph_that_no_graph_follows_runs_as_strict():
                 expected = run(lin(x))
                 # The tail's keys are new in a process with an empty disk
                 # cache: host-served until compiled (docs/design.md
-                # "Host-first calls"); one pass queues their compiles and
-                # metrics() waits for them, so the counted passes run programs.
+                # "Host-first calls"); their calls in a second sync epoch
+                # queue their compiles and metrics() waits for them, so the
+                # counted passes run programs (one pass queued nothing: the
+                # test passed only with the shared disk cache warm).
+                run(f(xt)).cpu()
                 run(f(xt)).cpu()
                 torch_tpu.metrics()
                 for attempt in range(3):

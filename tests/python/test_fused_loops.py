@@ -452,10 +452,12 @@ def test_hot_key_of_a_size_changing_loop_compiles_in_the_background():
     generate()'s decoding steps do, one KV length per step; a sync every
     iteration) is a confirmed loop, but its regions do not recur at the next
     iteration: a key of a structure compiled for other sizes already, once
-    hot (its 4th op-by-op run), compiles in the background and runs op by
-    op that pass (not compiled on the calling thread, which stalled
+    hot (its 4th op-by-op run, counted by the region's sizes from the first
+    pass on: pass 3; by region key before session 23, whose keys differed
+    between the first passes, pass 5), compiles in the background and runs
+    op by op that pass (not compiled on the calling thread, which stalled
     generate()'s 4th call for ~1.6 s). Hot keys compile one at a time: the
-    first hot size of pass 5 is queued, the others stay op by op while it
+    first hot size of pass 3 is queued, the others stay op by op while it
     compiles (each 12-op iteration takes a few ms, a region compile tens of
     ms) and are queued at later passes (metrics() between passes waits for
     the compiles), one per pass as observed, until every size runs as one
@@ -465,11 +467,11 @@ def test_hot_key_of_a_size_changing_loop_compiles_in_the_background():
     p = _size_changing_loop([5, 6, 7, 9, 10, 11], 10, filler=False)
     # fused regions, op-by-op regions, compiles per pass of the 6 sizes
     assert p[0][:2] == [0, 6], p  # all new
-    assert p[2] == [2, 4, 0] and p[4] == [2, 4, 0], p  # 2 sizes compiled, 4 churn op by op
-    assert p[5][:2] == [2, 4], p  # the 4 now hot run op by op this pass
-    assert 1 <= p[5][2] < 4, p  # the first queued, the rest wait for its compile
-    assert sum(q[2] for q in p[5:]) == 4, p  # each hot size compiled once, at some pass
-    assert all(q[2] >= 1 for q in p[5:] if q[1] > 0), p  # a pass with a hot size op by op queues one
+    assert p[1] == [2, 4, 0] and p[2] == [2, 4, 0], p  # 2 sizes compiled, 4 churn op by op
+    assert p[3][:2] == [2, 4], p  # the 4 now hot run op by op this pass
+    assert 1 <= p[3][2] < 4, p  # the first queued, the rest wait for its compile
+    assert sum(q[2] for q in p[3:]) == 4, p  # each hot size compiled once, at some pass
+    assert all(q[2] >= 1 for q in p[3:] if q[1] > 0), p  # a pass with a hot size op by op queues one
     assert p[-1] == [6, 0, 0], p  # all one program each
 
 
@@ -487,3 +489,74 @@ def test_hot_keys_compile_while_other_compiles_are_queued():
     # regions are new structures, never fused at their only sight
     assert p[2][0] == 2, p  # 2 sizes compiled, 2 churning
     assert p[-1][0] == 4, p  # the 2 hot sizes compiled too
+
+
+PASS_THROUGH_LOOP = r"""
+import json, torch, torch_tpu
+torch.manual_seed(0)
+w = torch.randn(8, 8)
+def body(x, w):
+    for _ in range(6):
+        x = torch.tanh(x @ w) * 0.5 + x
+    return x
+def other(x, w):  # another structure, beginning with the same op (mm)
+    y = x @ w
+    return (y.sin() + y.cos()).sum(0)
+sizes = list(range(3, 15))
+xs = [torch.randn(n, 8) for n in sizes]
+x5 = torch.randn(5, 8)
+def counts():
+    m = torch_tpu.metrics()
+    return [m["fused_regions"], m["fused_regions_op_by_op"], m["fused_regions_passed_through"], m["compiles"]]
+err, phases = 0.0, []
+with torch_tpu.eager_mode("fused"):
+    W = w.to("tpu"); XS = [x.to("tpu") for x in xs]; X5 = x5.to("tpu")
+    c0 = counts()
+    for x, X in zip(xs, XS):
+        y = body(X, W)
+        y.sum().item()
+        err = max(err, (y.cpu() - body(x, w)).abs().max().item())
+    c1 = counts()
+    for _ in range(4):
+        z = other(X5, W)
+        z.sum().item()
+        err = max(err, (z.cpu() - other(x5, w)).abs().max().item())
+        torch_tpu.metrics()  # waits for the background compiles
+    c2 = counts()
+print(json.dumps({"loop": [b - a for a, b in zip(c0, c1)], "other": [b - a for a, b in zip(c1, c2)], "err": err}))
+"""
+
+
+def _pass_through_loop(on):
+    import json
+
+    r = run_python(PASS_THROUGH_LOOP, env={"TORCH_TPU_CACHE_DIR": "", "TORCH_TPU_FUSED_PASS_THROUGH": "1" if on else "0"},
+                   timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["err"] <= 1e-5, out
+    return out
+
+
+def test_churning_regions_pass_through():
+    """Fused mode, 12 sizes of one loop body (a sync after each): the first
+    two sizes compile (in the background; op by op that time), the third
+    churns (recorded, op by op), and the next nine regions are passed
+    through: their calls run at once as strict mode runs them, unrecorded
+    (PassThrough; session 23: recording a churning region only to run it op
+    by op made fused mode 1.1-1.25x slower than strict on 20 lengths of a
+    transformer block). Then a region of another structure that begins with
+    the same op (mm) is passed through once (the prediction checked at the
+    sync fails: its op sequence is no churning structure's), and from its
+    next sight on it is recorded: it compiles and runs as one program.
+    Against TORCH_TPU_FUSED_PASS_THROUGH=0 (every region recorded): the
+    same op-by-op regions and compiles. Values equal CPU at every size.
+    Fresh processes, disk cache off."""
+    on, off = _pass_through_loop(True), _pass_through_loop(False)
+    # [fused regions, op-by-op regions, passed through, compiles]
+    assert on["loop"][:3] == [0, 12, 9], on
+    assert off["loop"][:3] == [0, 12, 0], off
+    assert on["loop"][3] == off["loop"][3], (on, off)  # the same programs
+    assert on["other"][2] == 1, on  # passed through once, mispredicted
+    assert off["other"][2] == 0, off
+    assert on["other"][0] >= 1 and off["other"][0] >= 1, (on, off)  # then one program

@@ -188,6 +188,7 @@ def test_inplace_write_donates_its_buffer(mode):
             ref.mul_(2).add_(y_cpu, alpha=0.5)
         for _ in range(2):  # strict: a key's first two calls run CPU's kernel (nothing donated)
             update()
+            torch.tpu.synchronize()  # the second call in a new sync epoch queues the compile
         wait_for_compiles()  # the second call queued the compiles: the next runs the programs
         if mode == "debug":  # keeps every input buffer to check the op's NaN/Inf against its inputs
             assert _donated(update) == 0
