@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -110,6 +111,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved processes per mode of the encoder table")
     args = p.parse_args()
     if args.child:
         return _child(args.child)
@@ -129,15 +131,22 @@ def main() -> None:
 
     print(f"\n## Transformer encoder layer, {len(LENGTHS)} sequence lengths ({LENGTHS[0]}..{LENGTHS[-1]}), "
           "one forward each (fresh process, empty cache each)\n")
+    # Strict and fused interleaved, args.rounds fresh processes each: seconds
+    # are medians, the ratio the median [min-max] of the per-round ratios
+    # (one process's time varies by ~10%); counts are the first round's.
+    runs = {"strict": [], "fused": []}
+    for _ in range(max(1, args.rounds)):
+        for mode in runs:
+            runs[mode].append(_run(f"enc:{mode}", args.timeout))
+    print(f"{max(1, args.rounds)} interleaved rounds.\n")
     print("| mode | seconds | ratio to strict | compiles | fused regions | max abs err vs CPU |")
     print("|---|---|---|---|---|---|")
-    strict = None
-    for mode in ["strict", "fused"]:
-        r = _run(f"enc:{mode}", args.timeout)
-        if strict is None:
-            strict = r
-        print(f"| {mode} | {r['seconds']:.2f} | {r['seconds'] / strict['seconds']:.2f}x | {r['compiles']} "
-              f"| {r['regions']} | {r['max_abs_err']:.1e} |", flush=True)
+    for mode, rs in runs.items():
+        r = rs[0]
+        v = [a["seconds"] / b["seconds"] for a, b in zip(rs, runs["strict"])]
+        print(f"| {mode} | {statistics.median(x['seconds'] for x in rs):.3f} | "
+              f"{statistics.median(v):.2f}x [{min(v):.2f}-{max(v):.2f}] | {r['compiles']} "
+              f"| {r['regions']} | {max(x['max_abs_err'] for x in rs):.1e} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,9 +35,10 @@ def entries() -> list[tuple[str, int]]:
         return []
     out = []
     for name in sorted(os.listdir(d)):
-        if name.endswith(".pjrt"):
+        path = os.path.join(d, name)
+        if name.endswith(".pjrt") and os.path.isfile(path):  # not a directory that happens to be named so
             try:
-                out.append((name, os.path.getsize(os.path.join(d, name))))
+                out.append((name, os.path.getsize(path)))
             except OSError:
                 pass
     return out

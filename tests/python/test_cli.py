@@ -3,6 +3,7 @@ checked against what the running process reports (torch_tpu._C, torch.tpu)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -76,11 +77,15 @@ def test_cache_clear_removes_entries_quietly_without_a_terminal(tmp_path):
     for i in range(5):
         (tmp_path / f"{i:040x}.pjrt").write_bytes(b"x" * 10)
     (tmp_path / "unrelated.txt").write_text("kept")
+    (tmp_path / "sub.pjrt").mkdir()  # a directory, not an entry (review, session 23: counted, then not removed)
+    r = run_cli("cache", "info", env={"TORCH_TPU_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^entries\s+5$", r.stdout, re.M), r.stdout
     r = run_cli("cache", "clear", env={"TORCH_TPU_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"removed 5 entries from {tmp_path}"
     assert "\r" not in r.stderr and "%|" not in r.stderr  # no progress bar in a pipe
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["unrelated.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sub.pjrt", "unrelated.txt"]
 
 
 def test_cache_info_and_clear_cover_saved_compiled_frames(tmp_path):

@@ -128,6 +128,7 @@ def test_a_failed_graph_check_poisons_its_results(mode):
         # and so raise at the op; the device program launches without a sync.
         for _ in range(2):
             acc * 3
+            torch.tpu.synchronize()  # the second call, in a new sync epoch, queues the compile
         wait_for_compiles()
         out = f(at, bt, acc)
         derived = out * 3  # launched before the sync: computed from the garbage
