@@ -278,6 +278,16 @@ bool PassThroughEnabled() {
 // A call's op (the schema's address) for structure hashes.
 size_t OpSignature(const c10::OperatorHandle& op) { return std::hash<const void*>()(&op.schema()); }
 
+// Pass-through's check of a prediction compares op sequences without
+// aten::copy_: a copy between whole storages whose source is not pending
+// shares the buffer without reaching the executor (kernels.cpp), so a
+// passed-through region lacks the copy_ its recorded twin has
+// (generate()'s decoding step: 139 calls passed through against 140).
+bool SkippedInPrediction(const c10::OperatorHandle& op) {
+  static const c10::OperatorName copy{"aten::copy_", ""};
+  return op.operator_name() == copy;
+}
+
 // A call's op and the static parts of its arguments: each tensor's dtype,
 // sizes and strides (not its offset or values), integers, booleans and
 // integer lists (view sizes, dims). Two calls of one region key have one
@@ -491,7 +501,7 @@ class FusedExecutor {
 
   void Flush() {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
-    EndPassRegion();  // a sync point ends a passed-through region
+    EndPassRegionAtSync();
     FlushLocked(Cause::kSync);
   }
 
@@ -572,6 +582,8 @@ class FusedExecutor {
       created_.erase(created_.begin() + static_cast<std::ptrdiff_t>(split), created_.end());
     }
     arm_pass_through_ = false;
+    const bool was_tentative = tentative_;
+    tentative_ = false;
     try {
       FlushRegion(/*last=*/rest.empty());
     } catch (...) {
@@ -583,6 +595,8 @@ class FusedExecutor {
     if (arm_pass_through_ && cause == Cause::kSync && rest.empty() && PassThroughEnabled()) {
       pass_through_ = true;
       pass_calls_ = 0;
+    } else if (was_tentative) {
+      pass_through_ = false;  // not armed again by this region
     }
     Rerecord(rest, rest_created, n);
   }
@@ -823,9 +837,21 @@ class FusedExecutor {
   // region beginning with its first call's sizes is recorded, not passed
   // through (PassThrough).
   void NoteRegionProgram() {
-    if (CurrentMode() != EagerMode::kFused || deferred_ || calls_.empty() || calls_.front().graph) return;
-    if (wanted_first_.size() >= kMaxStructures * 16) wanted_first_.clear();
-    wanted_first_.insert(SizeSignature(*calls_.front().op, calls_.front().args));
+    if (CurrentMode() != EagerMode::kFused || deferred_) return;
+    WantRecordedPrefixes();
+  }
+
+  // The recorded region's size-signature prefixes (one per call) join
+  // wanted_prefixes_: a region whose calls follow them is recorded.
+  void WantRecordedPrefixes() {
+    if (calls_.empty()) return;
+    if (wanted_prefixes_.size() >= kMaxStructures * 64) wanted_prefixes_.clear();
+    size_t h = 0;
+    for (const auto& rc : calls_) {
+      if (rc.graph) return;
+      h = c10::hash_combine(h, SizeSignature(*rc.op, rc.args));
+      wanted_prefixes_.insert(h);
+    }
   }
 
   // Queues `region`'s compile on the background compile thread, counted
@@ -913,37 +939,76 @@ class FusedExecutor {
   // at its next sight).
   void NoteChurning(size_t structure, size_t sizes) {
     if (calls_.empty() || calls_.front().graph) return;
-    churn_structures_.insert(structure);
+    (void)structure;
+    size_t predicted = 0, n = 0;
+    for (const auto& rc : calls_)
+      if (!SkippedInPrediction(*rc.op)) {
+        predicted = c10::hash_combine(predicted, OpSignature(*rc.op));
+        ++n;
+      }
+    churn_structures_.insert(c10::hash_combine(predicted, n));
     churn_first_ops_.insert(OpSignature(*calls_.front().op));
     max_churn_calls_ = std::max(max_churn_calls_, calls_.size());
-    if (churn_counts_[sizes] + 1 >= kHotRecurrence - 1)
-      wanted_first_.insert(SizeSignature(*calls_.front().op, calls_.front().args));
+    if (churn_counts_[sizes] + 1 >= kHotRecurrence - 1) WantRecordedPrefixes();
     arm_pass_through_ = true;
   }
 
   // Runs `op` at once as strict mode does, unrecorded, when the program is
   // passing a churning structure's region through (see PassThroughEnabled);
-  // false: the call is to be recorded (pass-through ends).
+  // false: the call is to be recorded. A region whose calls so far follow a
+  // wanted key's (a compiled or hot key: wanted_prefixes_, by size
+  // signature) is recorded tentatively: once a call leaves every wanted
+  // prefix, the calls recorded so far run op by op (Demote) and the rest of
+  // the region is passed through. (generate()'s decoding steps all begin
+  // with the same few calls, the one-token embedding and projections: from
+  // the first call alone, every step looked like the compiled ones.)
   bool PassThrough(const c10::OperatorHandle& op, torch::jit::Stack* stack, const lowering::LoweringEntry& entry) {
-    if (!calls_.empty() || CurrentMode() != EagerMode::kFused || OneProgramCallIndex() >= 0) {
+    if (CurrentMode() != EagerMode::kFused || OneProgramCallIndex() >= 0) {
       EndPassThrough();
       return false;
     }
+    EndPassRegionAtSync();
     const size_t num_args = op.schema().arguments().size();
     std::span<const c10::IValue> args = std::span<const c10::IValue>(*stack).subspan(stack->size() - num_args);
+    // An argument holding a failed check: recorded, so its results inherit
+    // the failure as fused mode's do (RunStrict would raise it here).
+    if (!FailedInputChecks(args).empty()) {
+      EndPassThrough();
+      return false;
+    }
     const size_t sizes = SizeSignature(op, args);
     const size_t op_sig = OpSignature(op);
+    if (tentative_ && !calls_.empty()) {
+      const size_t prefix = c10::hash_combine(tentative_prefix_, sizes);
+      if (wanted_prefixes_.count(prefix)) {
+        tentative_prefix_ = prefix;
+        return false;  // still a wanted key's prefix: recorded
+      }
+      Demote();
+    } else if (!calls_.empty()) {
+      EndPassThrough();
+      return false;
+    }
+    tentative_ = false;
     if (pass_calls_ == 0) {
       // A region's first call: pass it through only where it begins a
-      // churning structure's region whose sizes are not to be recorded.
-      if (!churn_first_ops_.count(op_sig) || ambiguous_first_ops_.count(op_sig) || wanted_first_.count(sizes)) {
+      // churning structure's region; record it tentatively where it begins
+      // a wanted key's.
+      if (!churn_first_ops_.count(op_sig) || ambiguous_first_ops_.count(op_sig)) {
         pass_through_ = false;
         return false;
       }
+      if (wanted_prefixes_.count(c10::hash_combine(size_t{0}, sizes))) {
+        tentative_ = true;
+        tentative_prefix_ = c10::hash_combine(size_t{0}, sizes);
+        return false;
+      }
       pass_first_op_ = op_sig;
-      pass_first_sizes_ = sizes;
+      pass_epoch_ = SyncCount();
       pass_structure_ = 0;
+      pass_structure_calls_ = 0;
       pass_sizes_ = 0;
+      pass_prefixes_.clear();
     } else if (pass_calls_ >= max_churn_calls_) {
       // Longer than any churning structure's region, and no sync point
       // (one ends a recorded region at a read of a pending storage too; a
@@ -951,18 +1016,87 @@ class FusedExecutor {
       EndPassThrough();
       return false;
     }
+    try {
+      RunStrict(op, stack, entry);
+    } catch (const UnsupportedOp&) {
+      // Runs on the CPU (the caller's fallback), a sync point: the region
+      // ends before it, as a recorded one does (Record).
+      EndPassRegion();
+      throw;
+    }
     ++pass_calls_;
-    pass_structure_ = c10::hash_combine(pass_structure_, op_sig);
+    if (!SkippedInPrediction(op)) {
+      pass_structure_ = c10::hash_combine(pass_structure_, op_sig);
+      ++pass_structure_calls_;
+    }
     pass_sizes_ = c10::hash_combine(pass_sizes_, sizes);
-    RunStrict(op, stack, entry);
+    pass_prefixes_.push_back(pass_sizes_);
     return true;
   }
 
-  // At a sync point: the passed-through region (if any) ends. Counted as a
-  // region run op by op; checked against the prediction.
+  // A tentatively recorded region left every wanted prefix: its calls run
+  // op by op now, as the first calls of a passed-through region (counted
+  // once, at its end).
+  void Demote() {
+    size_t structure = 0, sizes = 0, structure_calls = 0;
+    pass_prefixes_.clear();
+    for (const auto& rc : calls_) {
+      if (!SkippedInPrediction(*rc.op)) {
+        structure = c10::hash_combine(structure, OpSignature(*rc.op));
+        ++structure_calls;
+      }
+      sizes = c10::hash_combine(sizes, SizeSignature(*rc.op, rc.args));
+      pass_prefixes_.push_back(sizes);
+    }
+    pass_first_op_ = OpSignature(*calls_.front().op);
+    pass_epoch_ = SyncCount();
+    const size_t n = calls_.size();
+    tentative_ = false;
+    {
+      flushing_ = true;
+      struct Reset {
+        FusedExecutor* self;
+        ~Reset() {
+          self->calls_.clear();
+          self->units_ = 0;
+          self->created_.clear();
+          self->key_.clear();
+          self->call_key_begin_.clear();
+          self->ids_.seen.clear();
+          self->flushing_ = false;
+          self->deferred_ = false;
+          self->at_loop_boundary_ = false;  // nothing recorded is left to cut
+          SetPendingWork(false);
+          ReleaseKeptStorages();
+        }
+      } reset{this};
+      try {
+        RunOneByOne(AliveCreatedStorages());
+      } catch (...) {
+        pass_through_ = false;
+        throw;
+      }
+    }
+    Runtime::Get().metrics().fused_regions_op_by_op--;  // counted with the passed-through rest (EndPassRegion)
+    pass_calls_ = n;
+    pass_structure_ = structure;
+    pass_structure_calls_ = structure_calls;
+    pass_sizes_ = sizes;
+  }
+
+  // A sync point (Runtime::Sync: a read, torch.tpu.synchronize) since the
+  // passed-through region began ends it. Not every flush request is one:
+  // copy_ between whole storages asks for a flush (FlushPendingWork) before
+  // sharing a buffer, which a recorded region's pending source never takes.
+  void EndPassRegionAtSync() {
+    if (pass_calls_ > 0 && SyncCount() != pass_epoch_) EndPassRegion();
+  }
+
+  // The passed-through region (if any) ends. Counted as a region run op by
+  // op; checked against the prediction.
   void EndPassRegion() {
     if (pass_calls_ == 0) return;
-    const size_t structure = c10::hash_combine(pass_structure_, pass_calls_);
+    const size_t structure = c10::hash_combine(pass_structure_, pass_structure_calls_);
     const size_t sizes = c10::hash_combine(pass_sizes_, pass_calls_);
     pass_calls_ = 0;
     Runtime::Get().metrics().fused_regions_op_by_op++;
@@ -973,7 +1107,10 @@ class FusedExecutor {
       ambiguous_first_ops_.insert(pass_first_op_);
       return;
     }
-    if (++churn_counts_[sizes] >= kHotRecurrence - 1) wanted_first_.insert(pass_first_sizes_);
+    if (++churn_counts_[sizes] >= kHotRecurrence - 1) {
+      if (wanted_prefixes_.size() >= kMaxStructures * 64) wanted_prefixes_.clear();
+      wanted_prefixes_.insert(pass_prefixes_.begin(), pass_prefixes_.end());
+    }
   }
 
   // Pass-through ends: a region that had been passed through so far ends
@@ -981,6 +1118,7 @@ class FusedExecutor {
   void EndPassThrough() {
     EndPassRegion();
     pass_through_ = false;
+    tentative_ = false;
   }
 
   void ClearPassThroughState() {
@@ -989,8 +1127,9 @@ class FusedExecutor {
     churn_structures_.clear();
     churn_first_ops_.clear();
     ambiguous_first_ops_.clear();
-    wanted_first_.clear();
+    wanted_prefixes_.clear();
     max_churn_calls_ = 0;
+    tentative_ = false;
   }
 
   // The new storages still referenced from outside the region: only those
@@ -1281,9 +1420,10 @@ class FusedExecutor {
 
   // The failed checks (known failed, not pending) guarding the storages of
   // call rc's tpu tensor arguments.
-  static CheckList FailedInputChecks(const RecordedCall& rc) {
+  static CheckList FailedInputChecks(const RecordedCall& rc) { return FailedInputChecks(rc.args); }
+  static CheckList FailedInputChecks(std::span<const c10::IValue> args) {
     CheckList failed;
-    for (const auto& v : rc.args)
+    for (const auto& v : args)
       ForEachTensor(v, [&](const at::Tensor& t) {
         if (!IsTpuStorage(t)) return;
         for (const auto& c : StorageOf(t).current().checks)
@@ -1406,15 +1546,19 @@ class FusedExecutor {
   bool pass_through_ = false;       // regions may be passed through (armed at a churning region's sync)
   bool arm_pass_through_ = false;   // set by the region being flushed (NoteChurning)
   size_t pass_calls_ = 0;           // calls of the region being passed through
-  size_t pass_first_op_ = 0;        // its first call's op, and sizes
-  size_t pass_first_sizes_ = 0;
-  size_t pass_structure_ = 0;       // its op sequence and sizes so far
+  size_t pass_first_op_ = 0;        // its first call's op
+  uint64_t pass_epoch_ = 0;         // SyncCount() when it began
+  std::vector<size_t> pass_prefixes_;  // its size-signature prefixes, one per call
+  bool tentative_ = false;          // the recorded region follows a wanted key's prefix so far
+  size_t tentative_prefix_ = 0;     // its size-signature prefix
+  size_t pass_structure_ = 0;       // its op sequence (SkippedInPrediction's aside) and sizes so far
+  size_t pass_structure_calls_ = 0;
   size_t pass_sizes_ = 0;
   size_t max_churn_calls_ = 0;      // the longest churning structure's region, calls
   std::unordered_set<size_t> churn_structures_;    // structures whose regions ran op by op for churn
   std::unordered_set<size_t> churn_first_ops_;     // their first calls' ops
   std::unordered_set<size_t> ambiguous_first_ops_; // ops that began a region of another structure
-  std::unordered_set<size_t> wanted_first_;        // first-call sizes of regions to record (compiled, hot)
+  std::unordered_set<size_t> wanted_prefixes_;     // size-signature prefixes of keys to record (compiled, hot)
   // Compiled regions by key, least recently used evicted (MaxCachedExecutables).
   LruCache<std::vector<int64_t>, CompiledRegion, RegionKeyHash> regions_;
 };

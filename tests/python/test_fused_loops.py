@@ -560,3 +560,51 @@ def test_churning_regions_pass_through():
     assert on["other"][2] == 1, on  # passed through once, mispredicted
     assert off["other"][2] == 0, off
     assert on["other"][0] >= 1 and off["other"][0] >= 1, (on, off)  # then one program
+
+
+SHARED_PREFIX_LOOP = r"""
+import json, torch, torch_tpu
+torch.manual_seed(0)
+w = torch.randn(8, 8)
+tok = torch.randn(1, 8)
+kvs = [torch.randn(n, 8) for n in range(3, 15)]
+def step(tok, kv, w):  # as a decoding step: the same first calls, then sizes that grow
+    q = torch.tanh(tok @ w) * 0.5
+    s = (kv @ q.t()).softmax(0)
+    return (s * kv).sum(0, keepdim=True) + q
+err = 0.0
+with torch_tpu.eager_mode("fused"):
+    W, TOK = w.to("tpu"), tok.to("tpu"); KVS = [kv.to("tpu") for kv in kvs]
+    m0 = torch_tpu.metrics()
+    for kv, KV in zip(kvs, KVS):
+        y = step(TOK, KV, W)
+        y.sum().item()
+        err = max(err, (y.cpu() - step(tok, kv, w)).abs().max().item())
+    m1 = torch_tpu.metrics()
+print(json.dumps({"passed": m1["fused_regions_passed_through"] - m0["fused_regions_passed_through"],
+                  "op_by_op": m1["fused_regions_op_by_op"] - m0["fused_regions_op_by_op"], "err": err}))
+"""
+
+
+def test_regions_sharing_a_compiled_keys_first_calls_pass_through():
+    """Regions whose first calls are the same at every size (a decoding
+    step: the one-token embedding and projections), then sizes that grow:
+    the first two sizes compile, so every later region begins as a compiled
+    key's does. It is recorded while its calls follow a compiled (or hot)
+    key's size signatures, and once a call leaves them, the calls recorded
+    so far run op by op and the rest is passed through (Demote). From the
+    first call alone every step was recorded (generate()'s first call in
+    fused mode: 1 of ~20 decoding regions passed through). Values equal CPU.
+    Fresh process, disk cache off."""
+    import json
+
+    out = {}
+    for on in (True, False):
+        r = run_python(SHARED_PREFIX_LOOP, timeout=600,
+                       env={"TORCH_TPU_CACHE_DIR": "", "TORCH_TPU_FUSED_PASS_THROUGH": "1" if on else "0"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[on] = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out[on]["err"] <= 1e-5, out
+    assert out[True]["passed"] == 9, out  # 12 sizes: 2 compile, the 3rd churns, 9 pass through
+    assert out[False]["passed"] == 0, out
+    assert out[True]["op_by_op"] == out[False]["op_by_op"] == 12, out
