@@ -41,6 +41,7 @@
 #include <c10/util/hash.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <memory>
@@ -727,20 +728,7 @@ class FusedExecutor {
     struct Reset {
       FusedExecutor* self;
       bool last;
-      ~Reset() {
-        self->calls_.clear();
-        self->units_ = 0;
-        self->created_.clear();
-        self->key_.clear();
-        self->call_key_begin_.clear();
-        self->ids_.seen.clear();
-        self->flushing_ = false;
-        self->deferred_ = false;
-        if (last) {
-          SetPendingWork(false);
-          ReleaseKeptStorages();
-        }
-      }
+      ~Reset() { self->ClearRecorded(last); }
     } reset{this, last};
 
     std::vector<c10::intrusive_ptr<c10::StorageImpl>> alive = AliveCreatedStorages();
@@ -854,6 +842,24 @@ class FusedExecutor {
     }
   }
 
+  // After a flushed (or demoted) region: nothing recorded; `last`: no
+  // calls remain recorded after it (the pending-work flag drops, the
+  // storages kept for the region are freed).
+  void ClearRecorded(bool last) {
+    calls_.clear();
+    units_ = 0;
+    created_.clear();
+    key_.clear();
+    call_key_begin_.clear();
+    ids_.seen.clear();
+    flushing_ = false;
+    deferred_ = false;
+    if (last) {
+      SetPendingWork(false);
+      ReleaseKeptStorages();
+    }
+  }
+
   // Queues `region`'s compile on the background compile thread, counted
   // now (metrics()["compiles"] does not depend on when it ends;
   // torch_tpu.metrics() waits for it). Until it is ready the key's regions
@@ -941,11 +947,15 @@ class FusedExecutor {
     if (calls_.empty() || calls_.front().graph) return;
     (void)structure;
     size_t predicted = 0, n = 0;
-    for (const auto& rc : calls_)
-      if (!SkippedInPrediction(*rc.op)) {
+    for (const auto& rc : calls_) {
+      if (rc.graph) {  // a graph call is never passed through: such a structure never matches one
+        predicted = c10::hash_combine(predicted, std::hash<uint64_t>()(rc.graph->uid()));
+        ++n;
+      } else if (!SkippedInPrediction(*rc.op)) {
         predicted = c10::hash_combine(predicted, OpSignature(*rc.op));
         ++n;
       }
+    }
     churn_structures_.insert(c10::hash_combine(predicted, n));
     churn_first_ops_.insert(OpSignature(*calls_.front().op));
     max_churn_calls_ = std::max(max_churn_calls_, calls_.size());
@@ -983,6 +993,10 @@ class FusedExecutor {
       if (wanted_prefixes_.count(prefix)) {
         tentative_prefix_ = prefix;
         return false;  // still a wanted key's prefix: recorded
+      }
+      if (std::any_of(calls_.begin(), calls_.end(), [](const RecordedCall& rc) { return rc.graph != nullptr; })) {
+        EndPassThrough();
+        return false;
       }
       Demote();
     } else if (!calls_.empty()) {
@@ -1039,6 +1053,8 @@ class FusedExecutor {
   // once, at its end).
   void Demote() {
     size_t structure = 0, sizes = 0, structure_calls = 0;
+    // (A tentative region holds no graph call: RecordGraph ends
+    // pass-through, and PassThrough checks before it calls Demote.)
     pass_prefixes_.clear();
     for (const auto& rc : calls_) {
       if (!SkippedInPrediction(*rc.op)) {
@@ -1057,17 +1073,8 @@ class FusedExecutor {
       struct Reset {
         FusedExecutor* self;
         ~Reset() {
-          self->calls_.clear();
-          self->units_ = 0;
-          self->created_.clear();
-          self->key_.clear();
-          self->call_key_begin_.clear();
-          self->ids_.seen.clear();
-          self->flushing_ = false;
-          self->deferred_ = false;
+          self->ClearRecorded(/*last=*/true);
           self->at_loop_boundary_ = false;  // nothing recorded is left to cut
-          SetPendingWork(false);
-          ReleaseKeptStorages();
         }
       } reset{this};
       try {

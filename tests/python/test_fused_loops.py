@@ -608,3 +608,39 @@ def test_regions_sharing_a_compiled_keys_first_calls_pass_through():
     assert out[True]["passed"] == 9, out  # 12 sizes: 2 compile, the 3rd churns, 9 pass through
     assert out[False]["passed"] == 0, out
     assert out[True]["op_by_op"] == out[False]["op_by_op"] == 12, out
+
+
+GRAPH_MID_REGION_LOOP = r"""
+import json, torch, torch_tpu
+def f(y):
+    return (y.sin() * 2 + y.cos()).sum(0)
+cg = torch.compile(f, backend="tpu", dynamic=False)
+fixed = torch.randn(5, 8)
+err = 0.0
+with torch_tpu.eager_mode("fused"):
+    ft = fixed.to("tpu")
+    for p in range(2):
+        for n in range(1, 10):
+            x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
+            a = (x.to("tpu") * 2).tanh().sum(0)  # eager calls at a new size each step
+            r = (a + cg(ft)).exp()               # a graph call in the middle of the region
+            r.sum().item()
+            ref = ((x * 2).tanh().sum(0) + f(fixed)).exp()
+            err = max(err, ((r.cpu() - ref).abs() / ref.abs()).max().item())  # relative: exp of up to ~15
+print(json.dumps({"err": err}))
+"""
+
+
+@pytest.mark.parametrize("pass_through", ["1", "0"])
+def test_churning_region_with_a_graph_call_in_the_middle(pass_through):
+    """A churning structure whose regions hold a torch.compile graph call
+    after eager calls: noting the structure for pass-through read the
+    graph call's (absent) op and crashed the process (review, session 23,
+    with pass-through on or off). Values equal CPU (relative 1e-5). Fresh
+    process, disk cache off."""
+    import json
+
+    r = run_python(GRAPH_MID_REGION_LOOP, timeout=600,
+                   env={"TORCH_TPU_CACHE_DIR": "", "TORCH_TPU_FUSED_PASS_THROUGH": pass_through})
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    assert json.loads(r.stdout.strip().splitlines()[-1])["err"] <= 1e-5, r.stdout
