@@ -19,7 +19,6 @@
 #include <random>
 #include <sstream>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
 namespace torch_tpu::runtime {
@@ -63,36 +62,6 @@ DiskCache::DiskCache(std::string directory, int64_t max_bytes)
     : directory_(std::move(directory)), max_bytes_(max_bytes) {}
 
 std::string DiskCache::Key(pjrt::Client& client, std::string_view module_text, const pjrt::CompileOptions& options) {
-  // Everything before the environment and the module text, per client and
-  // options: built once (the plugin's attributes and the options' SHA-1 cost
-  // microseconds a lookup, and every new single-op key asks Has).
-  static std::mutex mutex;
-  static std::unordered_map<std::string, std::string> prefixes;  // client address + options -> prefix
-  std::string options_text = options.Serialize();
-  std::string memo = std::to_string(reinterpret_cast<uintptr_t>(&client)) + "\n" + options_text;
-  std::string key;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (auto it = prefixes.find(memo); it != prefixes.end()) key = it->second;
-  }
-  if (key.empty()) {
-    key = Prefix(client, options_text);
-    std::lock_guard<std::mutex> lock(mutex);
-    prefixes.emplace(std::move(memo), key);
-  }
-  // Compiler flags the plugins read from the environment change the code
-  // compiled for the same module and options (XLA_FLAGS: the XLA CPU and
-  // CUDA plugins; LIBTPU_INIT_ARGS: libtpu).
-  for (const char* name : {"XLA_FLAGS", "LIBTPU_INIT_ARGS"}) {
-    const char* value = std::getenv(name);
-    if (value && *value) key += std::string("\nenv ") + name + "=" + value;
-  }
-  key += "\n";
-  key += module_text;
-  return key;
-}
-
-std::string DiskCache::Prefix(pjrt::Client& client, const std::string& options_text) {
   std::string key;
   key += kTorchTpuVersion;
   key += "\nplatform ";
@@ -103,7 +72,16 @@ std::string DiskCache::Prefix(pjrt::Client& client, const std::string& options_t
   key += std::to_string(client.plugin()->api_major()) + "." + std::to_string(client.plugin()->api_minor());
   for (const auto& [name, value] : client.plugin()->attributes()) key += "\nattr " + name + "=" + value;
   key += "\noptions ";
-  key += Sha1(options_text);
+  key += Sha1(options.Serialize());
+  // Compiler flags the plugins read from the environment change the code
+  // compiled for the same module and options (XLA_FLAGS: the XLA CPU and
+  // CUDA plugins; LIBTPU_INIT_ARGS: libtpu).
+  for (const char* name : {"XLA_FLAGS", "LIBTPU_INIT_ARGS"}) {
+    const char* value = std::getenv(name);
+    if (value && *value) key += std::string("\nenv ") + name + "=" + value;
+  }
+  key += "\n";
+  key += module_text;
   return key;
 }
 

@@ -75,8 +75,6 @@ class DiskCache {
 
  private:
   std::string EntryPath(const std::string& key) const;
-  // The key's text before the environment's compiler flags and the module.
-  static std::string Prefix(pjrt::Client& client, const std::string& options_text);
   std::unique_ptr<pjrt::Executable> Load(pjrt::Client& client, const std::string& path, const std::string& key);
   // Writes the entry; returns its size in bytes.
   int64_t Store(const std::string& path, const std::string& key, const std::string& payload);

@@ -258,10 +258,10 @@ constexpr size_t kMaxStructures = 4096;
 // lengths through a transformer block) was 1.1-1.25x slower in fused mode
 // than in strict mode in its first pass. So after a churning region that
 // ended at a sync point, the next region's calls run at once, as strict
-// mode runs them (RunStrict), unrecorded, when its first call predicts the
-// same structure: its op is the first op of a churning structure, and its
-// sizes (SizeSignature) are not those of a key that is compiled or hot
-// (those regions are recorded: they run as one program or compile). At the
+// mode runs them (RunStrict), unrecorded, when its first call's op begins a
+// churning structure; a region whose calls follow the size signatures
+// (SizeSignature) of a key that is compiled or hot is recorded while they
+// do (PassThrough, Demote). At the
 // next sync point the passed-through region is checked: its op sequence
 // must be a churning structure's, else the prediction was wrong (a region
 // of another structure began with that op) and regions beginning with that
@@ -289,6 +289,23 @@ bool SkippedInPrediction(const c10::OperatorHandle& op) {
   return op.operator_name() == copy;
 }
 
+// The op sequence a prediction check compares (SkippedInPrediction's ops
+// aside), built call by call.
+struct PredictedOps {
+  size_t hash = 0;
+  size_t calls = 0;
+  void Add(const c10::OperatorHandle& op) {
+    if (SkippedInPrediction(op)) return;
+    hash = c10::hash_combine(hash, OpSignature(op));
+    ++calls;
+  }
+  void AddGraph(uint64_t uid) {
+    hash = c10::hash_combine(hash, std::hash<uint64_t>()(uid));
+    ++calls;
+  }
+  size_t Value() const { return c10::hash_combine(hash, calls); }
+};
+
 // A call's op and the static parts of its arguments: each tensor's dtype,
 // sizes and strides (not its offset or values), integers, booleans and
 // integer lists (view sizes, dims). Two calls of one region key have one
@@ -305,21 +322,20 @@ size_t SizeSignature(const c10::OperatorHandle& op, std::span<const c10::IValue>
     for (int64_t d : t.sizes()) h = c10::hash_combine(h, static_cast<size_t>(d));
     for (int64_t d : t.strides()) h = c10::hash_combine(h, static_cast<size_t>(d));
   };
-  for (const auto& v : args) {
+  auto value = [&](const c10::IValue& v, auto& self) -> void {
     if (v.isTensor()) {
       tensor(v.toTensor());
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorVector()) tensor(t);
+    } else if (v.isList()) {  // tensor and integer lists, read in place (per-call path: no copies)
+      for (const c10::IValue& item : v.toListRef()) self(item, self);
     } else if (v.isInt()) {
       h = c10::hash_combine(h, static_cast<size_t>(v.toInt()));
     } else if (v.isBool()) {
       h = c10::hash_combine(h, v.toBool() ? 3 : 5);
-    } else if (v.isIntList()) {
-      for (int64_t d : v.toIntVector()) h = c10::hash_combine(h, static_cast<size_t>(d));
     } else {
-      h = c10::hash_combine(h, static_cast<size_t>(v.tagKind().size()));
+      h = c10::hash_combine(h, static_cast<size_t>(v.tag));
     }
-  }
+  };
+  for (const auto& v : args) value(v, value);
   return h;
 }
 std::atomic<int> hot_compiles_outstanding{0};  // hot keys' background compiles queued or running
@@ -822,7 +838,7 @@ class FusedExecutor {
   }
 
   // The recorded region's key has a program (compiled or compiling): a
-  // region beginning with its first call's sizes is recorded, not passed
+  // region whose calls follow its size signatures is recorded, not passed
   // through (PassThrough).
   void NoteRegionProgram() {
     if (CurrentMode() != EagerMode::kFused || deferred_) return;
@@ -832,14 +848,19 @@ class FusedExecutor {
   // The recorded region's size-signature prefixes (one per call) join
   // wanted_prefixes_: a region whose calls follow them is recorded.
   void WantRecordedPrefixes() {
-    if (calls_.empty()) return;
-    if (wanted_prefixes_.size() >= kMaxStructures * 64) wanted_prefixes_.clear();
+    std::vector<size_t> prefixes;
     size_t h = 0;
     for (const auto& rc : calls_) {
-      if (rc.graph) return;
+      if (rc.graph) break;
       h = c10::hash_combine(h, SizeSignature(*rc.op, rc.args));
-      wanted_prefixes_.insert(h);
+      prefixes.push_back(h);
     }
+    WantPrefixes(prefixes);
+  }
+
+  void WantPrefixes(const std::vector<size_t>& prefixes) {
+    if (wanted_prefixes_.size() >= kMaxStructures * 64) wanted_prefixes_.clear();
+    wanted_prefixes_.insert(prefixes.begin(), prefixes.end());
   }
 
   // After a flushed (or demoted) region: nothing recorded; `last`: no
@@ -913,7 +934,7 @@ class FusedExecutor {
       // the regions it runs.
       const size_t sizes = RegionSizes();
       int& seen = churn_counts_[sizes];
-      if (CurrentMode() == EagerMode::kFused && !deferred_) NoteChurning(structure, sizes);
+      if (CurrentMode() == EagerMode::kFused && !deferred_) NoteChurning(sizes);
       if (++seen < kHotRecurrence) return true;
       if (background && hot_compiles_outstanding.load(std::memory_order_acquire) > 0) return true;
       *hot = true;
@@ -941,22 +962,19 @@ class FusedExecutor {
   // The recorded region (of a churning structure) runs op by op: regions
   // beginning with its first call's op may be passed through from the next
   // sync point on; once its sizes have run op by op kHotRecurrence - 1
-  // times, a region beginning with its first call is recorded (it turns hot
-  // at its next sight).
-  void NoteChurning(size_t structure, size_t sizes) {
+  // times, a region following its size signatures is recorded (it turns
+  // hot at its next sight).
+  void NoteChurning(size_t sizes) {
     if (calls_.empty() || calls_.front().graph) return;
-    (void)structure;
-    size_t predicted = 0, n = 0;
+    PredictedOps predicted;
     for (const auto& rc : calls_) {
-      if (rc.graph) {  // a graph call is never passed through: such a structure never matches one
-        predicted = c10::hash_combine(predicted, std::hash<uint64_t>()(rc.graph->uid()));
-        ++n;
-      } else if (!SkippedInPrediction(*rc.op)) {
-        predicted = c10::hash_combine(predicted, OpSignature(*rc.op));
-        ++n;
+      if (rc.graph) {
+        predicted.AddGraph(rc.graph->uid());  // never passed through: such a structure never matches one
+      } else {
+        predicted.Add(*rc.op);
       }
     }
-    churn_structures_.insert(c10::hash_combine(predicted, n));
+    churn_structures_.insert(predicted.Value());
     churn_first_ops_.insert(OpSignature(*calls_.front().op));
     max_churn_calls_ = std::max(max_churn_calls_, calls_.size());
     if (churn_counts_[sizes] + 1 >= kHotRecurrence - 1) WantRecordedPrefixes();
@@ -1019,8 +1037,7 @@ class FusedExecutor {
       }
       pass_first_op_ = op_sig;
       pass_epoch_ = SyncCount();
-      pass_structure_ = 0;
-      pass_structure_calls_ = 0;
+      pass_predicted_ = PredictedOps();
       pass_sizes_ = 0;
       pass_prefixes_.clear();
     } else if (pass_calls_ >= max_churn_calls_) {
@@ -1039,10 +1056,7 @@ class FusedExecutor {
       throw;
     }
     ++pass_calls_;
-    if (!SkippedInPrediction(op)) {
-      pass_structure_ = c10::hash_combine(pass_structure_, op_sig);
-      ++pass_structure_calls_;
-    }
+    pass_predicted_.Add(op);
     pass_sizes_ = c10::hash_combine(pass_sizes_, sizes);
     pass_prefixes_.push_back(pass_sizes_);
     return true;
@@ -1052,15 +1066,13 @@ class FusedExecutor {
   // op by op now, as the first calls of a passed-through region (counted
   // once, at its end).
   void Demote() {
-    size_t structure = 0, sizes = 0, structure_calls = 0;
+    PredictedOps predicted;
+    size_t sizes = 0;
     // (A tentative region holds no graph call: RecordGraph ends
     // pass-through, and PassThrough checks before it calls Demote.)
     pass_prefixes_.clear();
     for (const auto& rc : calls_) {
-      if (!SkippedInPrediction(*rc.op)) {
-        structure = c10::hash_combine(structure, OpSignature(*rc.op));
-        ++structure_calls;
-      }
+      predicted.Add(*rc.op);
       sizes = c10::hash_combine(sizes, SizeSignature(*rc.op, rc.args));
       pass_prefixes_.push_back(sizes);
     }
@@ -1086,8 +1098,7 @@ class FusedExecutor {
     }
     Runtime::Get().metrics().fused_regions_op_by_op--;  // counted with the passed-through rest (EndPassRegion)
     pass_calls_ = n;
-    pass_structure_ = structure;
-    pass_structure_calls_ = structure_calls;
+    pass_predicted_ = predicted;
     pass_sizes_ = sizes;
   }
 
@@ -1103,7 +1114,7 @@ class FusedExecutor {
   // op; checked against the prediction.
   void EndPassRegion() {
     if (pass_calls_ == 0) return;
-    const size_t structure = c10::hash_combine(pass_structure_, pass_structure_calls_);
+    const size_t structure = pass_predicted_.Value();
     const size_t sizes = c10::hash_combine(pass_sizes_, pass_calls_);
     pass_calls_ = 0;
     Runtime::Get().metrics().fused_regions_op_by_op++;
@@ -1114,10 +1125,7 @@ class FusedExecutor {
       ambiguous_first_ops_.insert(pass_first_op_);
       return;
     }
-    if (++churn_counts_[sizes] >= kHotRecurrence - 1) {
-      if (wanted_prefixes_.size() >= kMaxStructures * 64) wanted_prefixes_.clear();
-      wanted_prefixes_.insert(pass_prefixes_.begin(), pass_prefixes_.end());
-    }
+    if (++churn_counts_[sizes] >= kHotRecurrence - 1) WantPrefixes(pass_prefixes_);
   }
 
   // Pass-through ends: a region that had been passed through so far ends
@@ -1558,8 +1566,7 @@ class FusedExecutor {
   std::vector<size_t> pass_prefixes_;  // its size-signature prefixes, one per call
   bool tentative_ = false;          // the recorded region follows a wanted key's prefix so far
   size_t tentative_prefix_ = 0;     // its size-signature prefix
-  size_t pass_structure_ = 0;       // its op sequence (SkippedInPrediction's aside) and sizes so far
-  size_t pass_structure_calls_ = 0;
+  PredictedOps pass_predicted_;     // its op sequence and sizes so far
   size_t pass_sizes_ = 0;
   size_t max_churn_calls_ = 0;      // the longest churning structure's region, calls
   std::unordered_set<size_t> churn_structures_;    // structures whose regions ran op by op for churn
