@@ -233,11 +233,14 @@ def test_optimizer_step_donates_parameters_and_states():
             if m is model and step >= 2:
                 # Steps 1 and 2 warm the programs (strict: a key's first two
                 # calls run CPU's kernel, donating nothing; the second queues
-                # its compile); from step 3 on the programs run.
-                if step == 2:
-                    wait_for_compiles()
+                # its compile, only when it falls in a later sync epoch than
+                # the first, hence the synchronize below); from step 3 on the
+                # programs run.
+                wait_for_compiles()  # a compile still queued under load would run CPU's kernel
                 assert _donated(o.step) >= 4  # 2 parameters and their exp_avg, exp_avg_sq at least
             else:
                 o.step()
+                if m is model:
+                    torch.tpu.synchronize()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.cpu(), q, rtol=1e-5, atol=1e-6)
