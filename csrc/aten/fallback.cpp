@@ -602,7 +602,10 @@ bool WritesPartlyOverlappingArgument(const c10::OperatorHandle& op, const torch:
 // Host copies of the tpu storages a call's tensors view: each tpu tensor
 // becomes a CPU tensor of the same sizes, strides and offset over a host
 // copy of its storage's bytes (tensors sharing a storage share the copy;
-// a never-written storage reads as zeros, as on the device).
+// a never-written storage reads as zeros, as on the device). A storage no
+// argument writes is read in place from runtime::HostContentsOf's shared,
+// read-only copy (no download where the upload's bytes or an earlier
+// call's copy are at hand, no copy of them); a written one gets its own.
 class HostMirrors {
  public:
   struct Mirror {
@@ -610,18 +613,28 @@ class HostMirrors {
     at::Tensor any;    // a tpu tensor over the storage
     bool written = false;
   };
+  // `write`: some argument of the call writes the storage.
   at::Tensor Of(const at::Tensor& t, bool write) {
     if (!t.defined() || t.device().type() != kTpu) return t;
     auto& ds = runtime::StorageOf(t);
     auto [it, inserted] = mirrors_.try_emplace(&ds);
     Mirror& m = it->second;
     if (inserted) {
-      m.bytes = at::zeros({static_cast<int64_t>(ds.nbytes())}, at::TensorOptions().dtype(at::kByte));
+      const auto byte_options = at::TensorOptions().dtype(at::kByte);
+      const auto nbytes = static_cast<int64_t>(ds.nbytes());
       m.any = t;
-      if (ds.initialized()) {
-        const auto& cur = ds.Materialize(ds.current().element);
-        size_t n = static_cast<size_t>(cur.numel) * runtime::ElementSize(cur.element);
-        runtime::Runtime::Get().Download(cur, m.bytes.data_ptr(), std::min(n, ds.nbytes()));
+      runtime::HostContents contents;
+      if (ds.initialized()) contents = runtime::HostContentsOf(ds);
+      if (!write && contents.size == ds.nbytes()) {
+        // Read only: CPU's kernel reads the shared copy (never written:
+        // no argument over this storage is a written one).
+        auto owner = contents.owner;
+        m.bytes = at::from_blob(const_cast<char*>(contents.data), {nbytes}, [owner](void*) {}, byte_options);
+      } else {
+        m.bytes = at::empty({nbytes}, byte_options);
+        auto* dst = static_cast<char*>(m.bytes.data_ptr());
+        if (contents.size) std::memcpy(dst, contents.data, contents.size);
+        std::memset(dst + contents.size, 0, ds.nbytes() - contents.size);
       }
     }
     m.written |= write;
@@ -630,12 +643,24 @@ class HostMirrors {
     return host;
   }
   // Replaces the tpu tensors of the call's arguments (stack[first...]).
+  // The storages written arguments view are found first: one read and
+  // written through different arguments gets a private copy for both.
   void MirrorArguments(const c10::OperatorHandle& op, torch::jit::Stack* stack, size_t first) {
     const auto& args = op.schema().arguments();
+    std::unordered_set<runtime::DeviceStorage*> written;
+    for (size_t i = 0; i < args.size(); ++i) {
+      if (!IsWrittenArg(args[i])) continue;
+      ForEachTensor((*stack)[first + i], [&](const at::Tensor& t) {
+        if (t.defined() && t.device().type() == kTpu) written.insert(&runtime::StorageOf(t));
+      });
+    }
     for (size_t i = 0; i < args.size(); ++i) {
       c10::IValue& v = (*stack)[first + i];
       const bool write = IsWrittenArg(args[i]);
-      v = MapTensors(v, [&](const at::Tensor& t) { return Of(t, write); });
+      v = MapTensors(v, [&](const at::Tensor& t) {
+        if (!t.defined() || t.device().type() != kTpu) return t;
+        return Of(t, write || written.count(&runtime::StorageOf(t)) > 0);
+      });
     }
   }
   std::unordered_map<runtime::DeviceStorage*, Mirror>& map() { return mirrors_; }

@@ -350,46 +350,21 @@ at::Tensor CopyFromAndResize(const at::Tensor& self, const at::Tensor& dst) {
   return CopyFrom(self, dst, false);
 }
 
-// The host copy of one storage's current buffer, for element reads
-// (`for v in t`, `all(t)`, `t[i].item()` in a loop: one download, not one
-// per element). Valid while the storage has not been written since: keyed
-// on DeviceStorage::write_id(), which every write changes (also a host copy
-// written into the same PJRT buffer in place) and no two writes share; the
-// copy holds no reference to the buffer, so it neither keeps it alive nor
-// blocks its donation. One storage at a time, at most kMaxHostCopyBytes.
-struct HostCopy {
-  uint64_t write_id = 0;
-  std::vector<char> bytes;
-};
-constexpr size_t kMaxHostCopyBytes = size_t{64} << 20;
-std::mutex host_copy_mutex;
-HostCopy host_copy;
-std::atomic<int64_t> host_copy_hits{0};
-
-// One element of `self` (numel 1) read from the host copy of its storage,
-// or nullopt where that does not apply (conjugate/negative bits, a storage
-// typed with another element width, one over the bound).
+// One element of `self` (numel 1) read from the host copy of its storage
+// (runtime::HostContentsOf: `for v in t`, `all(t)`, `t[i].item()` in a
+// loop cost one download, not one per element), or nullopt where that does
+// not apply (conjugate/negative bits, a storage typed with another element
+// width, one over kHostContentsMaxBytes, which is read element by element).
 std::optional<at::Scalar> ElementFromHostCopy(const at::Tensor& self) {
   if (self.is_conj() || self.is_neg() || at::isComplexType(self.scalar_type())) return std::nullopt;
   auto& ds = StorageOf(self);
-  if (!ds.initialized() || ds.nbytes() > kMaxHostCopyBytes) return std::nullopt;
-  const runtime::StorageBuffer& cur = ds.Materialize(ds.current().element);
-  if (runtime::ElementSize(cur.element) != self.element_size()) return std::nullopt;
+  if (!ds.initialized() || ds.nbytes() > runtime::kHostContentsMaxBytes) return std::nullopt;
+  if (runtime::ElementSize(ds.Materialize(ds.current().element).element) != self.element_size()) return std::nullopt;
   const size_t offset = static_cast<size_t>(self.storage_offset()) * self.element_size();
-  const size_t stored =  // the storage's bytes (not the buffer's capacity padding)
-      std::min(static_cast<size_t>(cur.numel) * runtime::ElementSize(cur.element), ds.nbytes());
-  if (offset + self.element_size() > stored) return std::nullopt;
-  std::lock_guard<std::mutex> lock(host_copy_mutex);
-  if (host_copy.write_id != ds.write_id()) {
-    host_copy.write_id = 0;
-    host_copy.bytes.assign(stored, 0);
-    Runtime::Get().Download(cur, host_copy.bytes.data(), stored);
-    host_copy.write_id = ds.write_id();
-  } else {
-    host_copy_hits.fetch_add(1, std::memory_order_relaxed);
-  }
+  const runtime::HostContents contents = runtime::HostContentsOf(ds);
+  if (offset + self.element_size() > contents.size) return std::nullopt;
   at::Tensor element = at::empty({}, self.options().device(at::kCPU));
-  std::memcpy(element.data_ptr(), host_copy.bytes.data() + offset, self.element_size());
+  std::memcpy(element.data_ptr(), contents.data + offset, self.element_size());
   return element.item();
 }
 

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <new>
 #include <stdexcept>
@@ -361,6 +362,48 @@ void Runtime::Download(const StorageBuffer& buffer, void* dst, size_t nbytes) {
   } catch (const pjrt::Error& e) {
     RethrowDeviceError(e, buffer.producer, -1);
   }
+}
+
+namespace {
+struct KeptContents {
+  uint64_t write_id = 0;
+  std::shared_ptr<const std::vector<char>> bytes;
+};
+std::mutex kept_contents_mutex;
+std::deque<KeptContents> kept_contents;  // oldest first
+size_t kept_contents_bytes = 0;
+}  // namespace
+
+HostContents HostContentsOf(DeviceStorage& storage) {
+  const StorageBuffer& cur = storage.Materialize(storage.current().element);
+  const size_t stored = std::min(static_cast<size_t>(cur.numel) * ElementSize(cur.element), storage.nbytes());
+  if (cur.host && cur.host->size() >= stored) {
+    if (!cur.checks.empty()) RaiseIfPoisoned(cur.checks, /*resolve=*/true);  // as Download
+    return {cur.host, cur.host->data(), stored};
+  }
+  const uint64_t id = storage.write_id();
+  {
+    std::lock_guard<std::mutex> lock(kept_contents_mutex);
+    for (const auto& k : kept_contents)
+      if (k.write_id == id && k.bytes->size() >= stored) return {k.bytes, k.bytes->data(), stored};
+  }
+  auto bytes = std::make_shared<std::vector<char>>();
+  try {
+    bytes->resize(stored);
+  } catch (const std::bad_alloc&) {
+    ThrowOutOfMemory(static_cast<int64_t>(stored), storage.device_index(), "The host copy could not be allocated.");
+  }
+  Runtime::Get().Download(cur, bytes->data(), stored);
+  if (stored <= kHostContentsMaxBytes) {
+    std::lock_guard<std::mutex> lock(kept_contents_mutex);
+    kept_contents.push_back({id, bytes});
+    kept_contents_bytes += stored;
+    while (kept_contents.size() > kHostContentsMaxEntries || kept_contents_bytes > kHostContentsMaxBytes) {
+      kept_contents_bytes -= kept_contents.front().bytes->size();
+      kept_contents.pop_front();
+    }
+  }
+  return {bytes, bytes->data(), stored};
 }
 
 void Runtime::DestroyDead(std::vector<DeadBuffer>& dead) {

@@ -181,6 +181,32 @@ class DeviceStorage {
   uint64_t write_id_ = 0;
 };
 
+// A storage's current contents on the host, read-only and shared: its
+// first `size` bytes (the storage's bytes, nbytes() at most, without the
+// buffer's capacity padding; fewer where the buffer holds fewer) at
+// `data`, alive while `owner` is.
+struct HostContents {
+  std::shared_ptr<const void> owner;
+  const char* data = nullptr;
+  size_t size = 0;
+};
+// The contents of `storage` as its element type stores them, for reads on
+// the host (a host-served call's or CPU fallback's read-only arguments,
+// csrc/aten/fallback.cpp HostMirrors; element reads, kernels.cpp), without
+// a download where one is known: the upload's own copy
+// (StorageBuffer::host), else a copy made by an earlier call for the same
+// write (keyed on DeviceStorage::write_id(): a loop of host-served ops
+// over views of one tensor downloaded the whole storage per op, 134 MB for
+// bench_dynamic_shapes' offsets table), else one download, kept. Kept:
+// kHostContentsMaxEntries copies, kHostContentsMaxBytes in all, the
+// oldest dropped first; a copy holds no reference to the device buffer.
+// Materializes the storage (a recorded fused region runs first) and raises
+// as Runtime::Download does (a failed value check of the contents, an
+// execution error naming its producer). `storage` must be initialized().
+HostContents HostContentsOf(DeviceStorage& storage);
+constexpr size_t kHostContentsMaxEntries = 8;
+constexpr size_t kHostContentsMaxBytes = size_t{64} << 20;
+
 // Frees a storage (the allocator's deleter). A pending storage (created by
 // a fused region that has not run) is kept until the region has run, so
 // that its address cannot be reused by another storage of the same region.

@@ -523,6 +523,44 @@ def test_calls_count_once_per_sync_epoch():
     assert r["burst4"]["host_served"] + r["burst4"]["executions"] == 8, r
 
 
+VIEW_READS = r"""
+base = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+ref = base.clone()
+with torch_tpu.eager_mode("debug"):
+    X = base.to("tpu") * 1  # a program's output: its bytes are only on the device
+def reads(cols):
+    torch.tpu.synchronize()
+    m0 = torch_tpu.metrics()
+    got = [X[:, k] * 2 + X[:, k + 1] for k in cols]  # a new offset: a new key, host-served
+    m1 = torch_tpu.metrics()
+    want = [ref[:, k] * 2 + ref[:, k + 1] for k in cols]
+    return dict(host_served=m1["host_served"] - m0["host_served"],
+                d2h=m1["device_to_host_bytes"] - m0["device_to_host_bytes"],
+                ok=all(torch.allclose(g.cpu(), w, rtol=1.3e-6, atol=1e-5) for g, w in zip(got, want)))
+out["first"] = reads(range(0, 8))
+with torch_tpu.eager_mode("debug"):
+    X.add_(1)  # a new write: the host copy made above is stale
+ref.add_(1)
+out["after_write"] = reads(range(8, 16))
+out["nbytes"] = X.numel() * 4
+"""
+
+
+def test_host_served_views_of_one_storage_share_one_host_copy():
+    """Host-served calls reading views of one device storage read one host
+    copy of it (runtime::HostContentsOf), made at the first and kept until
+    the storage is written: 8 calls over column views of a 16 x 64 tensor
+    cost one download of it, not one per call (bench_dynamic_shapes'
+    offsets table downloaded 134 MB for a 131 KB tensor); after an in-place
+    write by a program the next calls download it once more and see the
+    new values (CPU's, within float32 tolerance)."""
+    r = run(VIEW_READS, {"TORCH_TPU_SHAPE_POLY": "0"})
+    for phase in ("first", "after_write"):
+        assert r[phase]["ok"], r
+        assert r[phase]["host_served"] == 8 * 2, r  # mul and add per column (views are no calls)
+        assert r[phase]["d2h"] == r["nbytes"], r
+
+
 def test_call_whose_cpu_results_differ_runs_the_program():
     """embedding_bag's CPU kernel returns offset2bag as Long[0] where the
     program (the meta kernel) gives Long[n]: the host-first call declines

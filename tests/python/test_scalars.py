@@ -135,7 +135,12 @@ def test_iteration_and_all_cost_one_transfer():
     n = 20000
     cpu = torch.ones(n)
     cpu[n // 2] = 0
-    t = cpu.to(TPU)
+    uploaded = cpu.to(TPU)
+    # An upload keeps its host bytes (StorageBuffer::host): no transfer.
+    r, nbytes, runs = _transfers(lambda: all(uploaded))
+    assert r is all(cpu) is False and nbytes == 0 and runs == 0
+    with torch_tpu.eager_mode("debug"):
+        t = uploaded * 1  # a program's output: only on the device
     torch.tpu.synchronize()
     r, nbytes, runs = _transfers(lambda: all(t))
     assert r is all(cpu) is False
