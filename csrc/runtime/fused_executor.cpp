@@ -769,6 +769,7 @@ class FusedExecutor {
         // them meanwhile (never waiting for the region).
         const bool failed = region->failed.load(std::memory_order_acquire);
         if (failed) warn(region->error);
+        if (!failed) NoteCompiling(region);
         RunOneByOne(alive, /*region_compiling=*/!failed);
         return;
       }
@@ -843,6 +844,28 @@ class FusedExecutor {
   void NoteRegionProgram() {
     if (CurrentMode() != EagerMode::kFused || deferred_) return;
     WantRecordedPrefixes();
+  }
+
+  // The recorded region's key recurred while its program compiles in the
+  // background (fused mode): until the program is ready its regions run op
+  // by op, so a region beginning with the same op after this one's sync
+  // point is passed through (PassThrough) rather than recorded, flushed and
+  // then run op by op all the same (bench_dynamic_shapes' offsets table:
+  // 510 regions of 4 ops while one program compiled; fused mode's first
+  // pass was 1.26x strict mode's). Only a recurring key: at its first sight
+  // the next region, even of the same structure, may be another key that
+  // wants its own compile (the offsets table's first column pair is one key,
+  // the other 511 another), which pass-through would put off until this
+  // program is ready. A region with a graph call is never passed through.
+  void NoteCompiling(const std::shared_ptr<CompiledRegion>& region) {
+    if (CurrentMode() != EagerMode::kFused || deferred_ || calls_.empty() || !PassThroughEnabled()) return;
+    if (std::any_of(calls_.begin(), calls_.end(), [](const RecordedCall& rc) { return rc.graph != nullptr; })) return;
+    const size_t first_op = OpSignature(*calls_.front().op);
+    if (ambiguous_compiling_ops_.count(first_op)) return;
+    PredictedOps predicted;
+    for (const auto& rc : calls_) predicted.Add(*rc.op);
+    compiling_[first_op] = Compiling{region, predicted.Value(), calls_.size()};
+    arm_pass_through_ = true;
   }
 
   // The recorded region's size-signature prefixes (one per call) join
@@ -1023,31 +1046,49 @@ class FusedExecutor {
     }
     tentative_ = false;
     if (pass_calls_ == 0) {
-      // A region's first call: pass it through only where it begins a
-      // churning structure's region; record it tentatively where it begins
-      // a wanted key's.
-      if (!churn_first_ops_.count(op_sig) || ambiguous_first_ops_.count(op_sig)) {
+      // A region's first call: pass it through where it begins the region
+      // of a key whose program is compiling (NoteCompiling) or a churning
+      // structure's region; record it tentatively where it begins a wanted
+      // key's (of a churning structure).
+      auto c = compiling_.find(op_sig);
+      if (c != compiling_.end() && (c->second.region->ready.load(std::memory_order_acquire) ||
+                                    c->second.region->failed.load(std::memory_order_acquire))) {
+        compiling_.erase(c);  // recorded: the program runs it (a failed compile is warned about)
+        c = compiling_.end();
+      }
+      const bool compiling = c != compiling_.end();
+      const bool churning = churn_first_ops_.count(op_sig) && !ambiguous_first_ops_.count(op_sig);
+      if (!compiling && !churning) {
         pass_through_ = false;
         return false;
       }
-      if (wanted_prefixes_.count(c10::hash_combine(size_t{0}, sizes))) {
+      if (!compiling && wanted_prefixes_.count(c10::hash_combine(size_t{0}, sizes))) {
         tentative_ = true;
         tentative_prefix_ = c10::hash_combine(size_t{0}, sizes);
         return false;
       }
+      pass_compiling_ = compiling;
+      pass_defer_ = compiling && !churning;
+      pass_compiling_structure_ = compiling ? c->second.structure : 0;
+      pass_limit_ = std::max(churning ? max_churn_calls_ : 0, compiling ? c->second.calls : 0);
       pass_first_op_ = op_sig;
       pass_epoch_ = SyncCount();
       pass_predicted_ = PredictedOps();
       pass_sizes_ = 0;
       pass_prefixes_.clear();
-    } else if (pass_calls_ >= max_churn_calls_) {
-      // Longer than any churning structure's region, and no sync point
+    } else if (pass_calls_ >= pass_limit_) {
+      // Longer than the predicted region (any churning structure's, the
+      // compiling key's), and no sync point
       // (one ends a recorded region at a read of a pending storage too; a
       // passed-through one only at Runtime::Sync): a wrong prediction.
       EndPassThrough();
       return false;
     }
     try {
+      // A compiling key's region: its host-first calls queue no single-op
+      // compile, as RunOneByOne's of a compiling region (the program serves
+      // the key's next occurrence).
+      HostFirstDeferScope defer(pass_defer_);
       RunStrict(op, stack, entry);
     } catch (const UnsupportedOp&) {
       // Runs on the CPU (the caller's fallback), a sync point: the region
@@ -1078,6 +1119,9 @@ class FusedExecutor {
     }
     pass_first_op_ = OpSignature(*calls_.front().op);
     pass_epoch_ = SyncCount();
+    pass_compiling_ = false;
+    pass_defer_ = false;
+    pass_limit_ = max_churn_calls_;
     const size_t n = calls_.size();
     tentative_ = false;
     {
@@ -1119,13 +1163,24 @@ class FusedExecutor {
     pass_calls_ = 0;
     Runtime::Get().metrics().fused_regions_op_by_op++;
     Runtime::Get().metrics().fused_regions_passed_through++;
-    if (!churn_structures_.count(structure)) {
-      // Not a churning structure's region: regions beginning with this op
-      // are recorded from now on (this one's structure may want a program).
-      ambiguous_first_ops_.insert(pass_first_op_);
+    if (churn_structures_.count(structure)) {
+      if (++churn_counts_[sizes] >= kHotRecurrence - 1) WantPrefixes(pass_prefixes_);
       return;
     }
-    if (++churn_counts_[sizes] >= kHotRecurrence - 1) WantPrefixes(pass_prefixes_);
+    if (pass_compiling_) {
+      if (structure == pass_compiling_structure_) return;
+      // Another structure's region began with the compiling key's first op
+      // (generate(): the prefill region's and a decoding step's): such
+      // regions are recorded from now on while a key compiles (this one's
+      // structure may want a program; pass-through of churning regions
+      // beginning with the op is unchanged).
+      ambiguous_compiling_ops_.insert(pass_first_op_);
+      compiling_.erase(pass_first_op_);
+      return;
+    }
+    // Not a churning structure's region: regions beginning with this op
+    // are recorded from now on (this one's structure may want a program).
+    ambiguous_first_ops_.insert(pass_first_op_);
   }
 
   // Pass-through ends: a region that had been passed through so far ends
@@ -1145,6 +1200,9 @@ class FusedExecutor {
     wanted_prefixes_.clear();
     max_churn_calls_ = 0;
     tentative_ = false;
+    compiling_.clear();
+    ambiguous_compiling_ops_.clear();
+    pass_compiling_ = false;
   }
 
   // The new storages still referenced from outside the region: only those
@@ -1573,6 +1631,19 @@ class FusedExecutor {
   std::unordered_set<size_t> churn_first_ops_;     // their first calls' ops
   std::unordered_set<size_t> ambiguous_first_ops_; // ops that began a region of another structure
   std::unordered_set<size_t> wanted_prefixes_;     // size-signature prefixes of keys to record (compiled, hot)
+  // Keys whose program compiles in the background (NoteCompiling), by
+  // their region's first op: the latest such key per op.
+  struct Compiling {
+    std::shared_ptr<CompiledRegion> region;
+    size_t structure = 0;          // PredictedOps of its calls
+    size_t calls = 0;
+  };
+  std::unordered_map<size_t, Compiling> compiling_;
+  std::unordered_set<size_t> ambiguous_compiling_ops_;  // began another structure's region while compiling
+  bool pass_compiling_ = false;        // the passed-through region is predicted by compiling_
+  bool pass_defer_ = false;            // ... and not by a churning structure (HostFirstDeferScope)
+  size_t pass_compiling_structure_ = 0;
+  size_t pass_limit_ = 0;              // its predicted length, calls (at most)
   // Compiled regions by key, least recently used evicted (MaxCachedExecutables).
   LruCache<std::vector<int64_t>, CompiledRegion, RegionKeyHash> regions_;
 };

@@ -610,6 +610,78 @@ def test_regions_sharing_a_compiled_keys_first_calls_pass_through():
     assert out[True]["op_by_op"] == out[False]["op_by_op"] == 12, out
 
 
+COMPILING_LOOP = r"""
+import json, torch, torch_tpu
+torch.manual_seed(0)
+b = torch.randn(64)
+xs = [torch.randn(64) for _ in range(8)]
+def body(a, b):  # one key: the same sizes every iteration
+    y = torch.sin(a) * 1.01 + b
+    y = torch.tanh(torch.cos(y) - b) * torch.sigmoid(y)
+    return (y.square() + torch.log1p(y.abs())).sum()
+def other(a, b):  # another structure beginning with the same op (sin)
+    return (torch.sin(a) - b).abs().sum()
+def counts():
+    m = torch_tpu.metrics()
+    return [m["fused_regions"], m["fused_regions_op_by_op"], m["fused_regions_passed_through"], m["compiles"]]
+err, phases = 0.0, []
+with torch_tpu.eager_mode("fused"):
+    B = b.to("tpu"); XS = [x.to("tpu") for x in xs]
+    # A region of 300 calls, its compile queued first: the compile thread is
+    # busy with it for a while, so the loop's region stays compiling (FIFO).
+    y = B
+    for i in range(150):
+        y = y * 1.0001 + 0.001
+    y.sum().item()
+    c0 = counts()
+    for x, X in zip(xs, XS):
+        err = max(err, abs(body(X, B).item() - body(x, b).item()))
+    c1 = counts()
+    for x, X in zip(xs[:3], XS[:3]):
+        err = max(err, abs(other(X, B).item() - other(x, b).item()))
+    c2 = counts()  # waits for the compiles
+    err = max(err, abs(body(XS[0], B).item() - body(xs[0], b).item()))
+    c3 = counts()
+d = lambda a, b: [y - x for x, y in zip(a, b)]
+print(json.dumps({"loop": d(c0, c1), "other": d(c1, c2), "after": d(c2, c3), "err": err}))
+"""
+
+
+def test_regions_of_a_compiling_key_pass_through():
+    """Fused mode, one loop body at the same sizes (a sync after each)
+    while its region's program compiles in the background: the first
+    iteration queues the compile (op by op), the second finds it compiling
+    (recorded, op by op), and the next six are passed through (PassThrough,
+    NoteCompiling: recording a region only to run it op by op made fused
+    mode's first pass of bench_dynamic_shapes' offsets table 1.26x strict
+    mode's), queueing no single-op compile (HostFirstDeferScope: the same
+    compiles as with TORCH_TPU_FUSED_PASS_THROUGH=0). A region of another
+    structure beginning with the same op (sin) is passed through once (the
+    prediction checked at the sync fails) and recorded from then on. Once
+    the program is ready the body runs as one program. Values equal CPU
+    (float32, 1e-4 absolute on sums of 64). TORCH_TPU_FUSED_LOOPS=0: the
+    300-call warm-up region is one region, whose compile keeps the compile
+    thread busy while the loop runs; fresh processes, disk cache off."""
+    import json
+
+    out = {}
+    for on in (True, False):
+        r = run_python(COMPILING_LOOP, timeout=600,
+                       env={"TORCH_TPU_CACHE_DIR": "", "TORCH_TPU_FUSED_LOOPS": "0",
+                            "TORCH_TPU_FUSED_PASS_THROUGH": "1" if on else "0"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[on] = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out[on]["err"] <= 1e-4, out
+    on, off = out[True], out[False]
+    # [fused regions, op-by-op regions, passed through, compiles]
+    assert on["loop"] == [0, 8, 6, 1], out
+    assert off["loop"] == [0, 8, 0, 1], out
+    assert on["other"][:3] == [0, 3, 1], out  # mispredicted once, then recorded
+    assert off["other"][:3] == [0, 3, 0], out
+    assert on["other"][3] == off["other"][3], out
+    assert on["after"][:3] == off["after"][:3] == [1, 0, 0], out
+
+
 GRAPH_MID_REGION_LOOP = r"""
 import json, torch, torch_tpu
 def f(y):
