@@ -64,6 +64,49 @@
 #include <ATen/ops/tril_meta_dispatch.h>
 #include <ATen/ops/triu_meta_dispatch.h>
 
+#include <ATen/ops/acos_meta_dispatch.h>
+#include <ATen/ops/acosh_meta_dispatch.h>
+#include <ATen/ops/asin_meta_dispatch.h>
+#include <ATen/ops/asinh_meta_dispatch.h>
+#include <ATen/ops/atan_meta_dispatch.h>
+#include <ATen/ops/atan2_meta_dispatch.h>
+#include <ATen/ops/atanh_meta_dispatch.h>
+#include <ATen/ops/bitwise_xor_meta_dispatch.h>
+#include <ATen/ops/copysign_meta_dispatch.h>
+#include <ATen/ops/cosh_meta_dispatch.h>
+#include <ATen/ops/cumprod_meta_dispatch.h>
+#include <ATen/ops/digamma_meta_dispatch.h>
+#include <ATen/ops/elu_meta_dispatch.h>
+#include <ATen/ops/erfinv_meta_dispatch.h>
+#include <ATen/ops/fmax_meta_dispatch.h>
+#include <ATen/ops/fmin_meta_dispatch.h>
+#include <ATen/ops/fmod_meta_dispatch.h>
+#include <ATen/ops/frac_meta_dispatch.h>
+#include <ATen/ops/gelu_backward_meta_dispatch.h>
+#include <ATen/ops/hardsigmoid_meta_dispatch.h>
+#include <ATen/ops/heaviside_meta_dispatch.h>
+#include <ATen/ops/hypot_meta_dispatch.h>
+#include <ATen/ops/i0_meta_dispatch.h>
+#include <ATen/ops/leaky_relu_meta_dispatch.h>
+#include <ATen/ops/lgamma_meta_dispatch.h>
+#include <ATen/ops/logaddexp_meta_dispatch.h>
+#include <ATen/ops/logaddexp2_meta_dispatch.h>
+#include <ATen/ops/mish_meta_dispatch.h>
+#include <ATen/ops/mse_loss_meta_dispatch.h>
+#include <ATen/ops/nextafter_meta_dispatch.h>
+#include <ATen/ops/nll_loss_forward_meta_dispatch.h>
+#include <ATen/ops/remainder_meta_dispatch.h>
+#include <ATen/ops/sgn_meta_dispatch.h>
+#include <ATen/ops/sigmoid_backward_meta_dispatch.h>
+#include <ATen/ops/silu_backward_meta_dispatch.h>
+#include <ATen/ops/sinc_meta_dispatch.h>
+#include <ATen/ops/sinh_meta_dispatch.h>
+#include <ATen/ops/softplus_meta_dispatch.h>
+#include <ATen/ops/tan_meta_dispatch.h>
+#include <ATen/ops/tanh_backward_meta_dispatch.h>
+#include <ATen/ops/threshold_backward_meta_dispatch.h>
+#include <ATen/ops/xlogy_meta_dispatch.h>
+
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -78,6 +121,10 @@ using Stack = torch::jit::Stack;
 
 const at::Tensor& T(const Stack& s, size_t i) { return s[i].toTensor(); }
 at::Scalar S(const Stack& s, size_t i) { return s[i].toScalar(); }
+std::optional<at::Tensor> OptT(const Stack& s, size_t i) {
+  if (s[i].isNone()) return std::nullopt;
+  return s[i].toTensor();
+}
 std::optional<at::ScalarType> Dtype(const Stack& s, size_t i) {
   if (s[i].isNone()) return std::nullopt;
   return s[i].toScalarType();
@@ -101,6 +148,7 @@ at::Tensor Wrapped(const Stack& s, size_t i) { return at::native::wrapped_scalar
 #define BINARY_ALPHA(fn) [](Stack& s) { return Ret(s, at::meta::fn(T(s, 0), T(s, 1), S(s, 2))); }
 #define WRAPPED(fn) [](Stack& s) { return Ret(s, at::meta::fn(T(s, 0), Wrapped(s, 1))); }
 #define WRAPPED_ALPHA(fn) [](Stack& s) { return Ret(s, at::meta::fn(T(s, 0), Wrapped(s, 1), S(s, 2))); }
+#define INPLACE_UNARY(fn) [](Stack& s) { at::Tensor self = T(s, 0); at::meta::fn(self); return Ret(s, self); }
 #define INPLACE_BINARY(fn) \
   [](Stack& s) { at::Tensor self = T(s, 0); at::meta::fn(self, T(s, 1)); return Ret(s, self); }
 #define INPLACE_BINARY_ALPHA(fn) \
@@ -323,6 +371,103 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
        [](Stack& s) { return Ret(s, at::meta::_softmax(HalfToFloat(s), s[1].toInt(), s[2].toBool())); }},
       {"aten::_log_softmax",
        [](Stack& s) { return Ret(s, at::meta::_log_softmax(HalfToFloat(s), s[1].toInt(), s[2].toBool())); }},
+      // Session 24: ops whose Python meta kernel is a torch._refs one (the
+      // first call imports torch._dynamo, ~0.9 s), found by calling each on
+      // a fresh process's tpu tensors (tests/python/test_cpp_meta.py).
+      {"aten::atan", UNARY(atan)},
+      {"aten::asin", UNARY(asin)},
+      {"aten::acos", UNARY(acos)},
+      {"aten::tan", UNARY(tan)},
+      {"aten::sinh", UNARY(sinh)},
+      {"aten::cosh", UNARY(cosh)},
+      {"aten::asinh", UNARY(asinh)},
+      {"aten::acosh", UNARY(acosh)},
+      {"aten::atanh", UNARY(atanh)},
+      {"aten::erfinv", UNARY(erfinv)},
+      {"aten::lgamma", UNARY(lgamma)},
+      {"aten::digamma", UNARY(digamma)},
+      {"aten::frac", UNARY(frac)},
+      {"aten::sgn", UNARY(sgn)},
+      {"aten::i0", UNARY(i0)},
+      {"aten::sinc", UNARY(sinc)},
+      {"aten::hardsigmoid", UNARY(hardsigmoid)},
+      {"aten::mish", UNARY(mish)},
+      {"aten::atan2", BINARY(atan2)},
+      {"aten::fmod.Tensor", BINARY(fmod)},
+      {"aten::remainder.Tensor", BINARY(remainder)},
+      {"aten::hypot", BINARY(hypot)},
+      {"aten::logaddexp", BINARY(logaddexp)},
+      {"aten::logaddexp2", BINARY(logaddexp2)},
+      {"aten::xlogy.Tensor", BINARY(xlogy)},
+      {"aten::copysign.Tensor", BINARY(copysign)},
+      {"aten::fmax", BINARY(fmax)},
+      {"aten::fmin", BINARY(fmin)},
+      {"aten::nextafter", BINARY(nextafter)},
+      {"aten::heaviside", BINARY(heaviside)},
+      {"aten::bitwise_xor.Tensor", BINARY(bitwise_xor)},
+      {"aten::tanh_backward", BINARY(tanh_backward)},
+      {"aten::sigmoid_backward", BINARY(sigmoid_backward)},
+      {"aten::silu_backward", BINARY(silu_backward)},
+      {"aten::fmod.Scalar", WRAPPED(fmod)},
+      {"aten::remainder.Scalar", WRAPPED(remainder)},
+      {"aten::copysign.Scalar", WRAPPED(copysign)},
+      {"aten::xlogy.Scalar_Other", WRAPPED(xlogy)},
+      {"aten::bitwise_xor.Scalar", WRAPPED(bitwise_xor)},
+      {"aten::sigmoid_", INPLACE_UNARY(sigmoid_)},
+      {"aten::exp_", INPLACE_UNARY(exp_)},
+      {"aten::tanh_", INPLACE_UNARY(tanh_)},
+      {"aten::sqrt_", INPLACE_UNARY(sqrt_)},
+      {"aten::rsqrt_", INPLACE_UNARY(rsqrt_)},
+      {"aten::sin_", INPLACE_UNARY(sin_)},
+      {"aten::cos_", INPLACE_UNARY(cos_)},
+      {"aten::log_", INPLACE_UNARY(log_)},
+      {"aten::neg_", INPLACE_UNARY(neg_)},
+      {"aten::erf_", INPLACE_UNARY(erf_)},
+      {"aten::log1p_", INPLACE_UNARY(log1p_)},
+      {"aten::reciprocal_", INPLACE_UNARY(reciprocal_)},
+      {"aten::floor_", INPLACE_UNARY(floor_)},
+      {"aten::ceil_", INPLACE_UNARY(ceil_)},
+      {"aten::round_", INPLACE_UNARY(round_)},
+      {"aten::trunc_", INPLACE_UNARY(trunc_)},
+      {"aten::expm1_", INPLACE_UNARY(expm1_)},
+      {"aten::softplus", [](Stack& s) { return Ret(s, at::meta::softplus(T(s, 0), S(s, 1), S(s, 2))); }},
+      {"aten::elu", [](Stack& s) { return Ret(s, at::meta::elu(T(s, 0), S(s, 1), S(s, 2), S(s, 3))); }},
+      {"aten::leaky_relu", BINARY_SCALAR(leaky_relu)},
+      {"aten::threshold_backward",
+       [](Stack& s) { return Ret(s, at::meta::threshold_backward(T(s, 0), T(s, 1), S(s, 2))); }},
+      {"aten::gelu_backward",
+       [](Stack& s) { return Ret(s, at::meta::gelu_backward(T(s, 0), T(s, 1), s[2].toStringView())); }},
+      {"aten::mse_loss", [](Stack& s) { return Ret(s, at::meta::mse_loss(T(s, 0), T(s, 1), s[2].toInt())); }},
+      {"aten::nll_loss_forward",
+       [](Stack& s) {
+         auto [out, total_weight] =
+             at::meta::nll_loss_forward(T(s, 0), T(s, 1), OptT(s, 2), s[3].toInt(), s[4].toInt());
+         s.clear();
+         s.emplace_back(std::move(out));
+         s.emplace_back(std::move(total_weight));
+         return true;
+       }},
+      {"aten::cumprod", [](Stack& s) { return Ret(s, at::meta::cumprod(T(s, 0), s[1].toInt(), Dtype(s, 2))); }},
+      // 2 ** t: pow.Scalar is structured (CPU's meta step); rsub is sub with
+      // the operands swapped (ATen's rsub kernels: at::sub(other, self, alpha)).
+      {"aten::pow.Scalar", [](Stack& s) { return Ret(s, at::meta::pow(S(s, 0), T(s, 1))); }},
+      {"aten::rsub.Scalar", [](Stack& s) { return Ret(s, at::meta::sub(Wrapped(s, 1), T(s, 0), S(s, 2))); }},
+      {"aten::rsub.Tensor", [](Stack& s) { return Ret(s, at::meta::sub(T(s, 1), T(s, 0), S(s, 2))); }},
+      // mean.default: ATen's mean(self, dtype) is mean.dim over every dim.
+      {"aten::mean",
+       [](Stack& s) { return Ret(s, at::meta::mean(T(s, 0), at::OptionalIntArrayRef(), false, Dtype(s, 1))); }},
+      {"aten::clamp.Tensor",
+       [](Stack& s) { return Ret(s, at::meta::clamp(T(s, 0), OptT(s, 1), OptT(s, 2))); }},
+      {"aten::clamp_",
+       [](Stack& s) {
+         at::Tensor self = T(s, 0);
+         const std::optional<at::Scalar> lo = s[1].isNone() ? std::nullopt : std::optional<at::Scalar>(S(s, 1));
+         const std::optional<at::Scalar> hi = s[2].isNone() ? std::nullopt : std::optional<at::Scalar>(S(s, 2));
+         at::meta::clamp_(self, lo, hi);
+         return Ret(s, self);
+       }},
+      // isnan: ATen's kernel is self != self.
+      {"aten::isnan", [](Stack& s) { return Ret(s, at::meta::ne(T(s, 0), T(s, 0))); }},
       {"aten::bmm", BINARY(bmm)},
       {"aten::mm", BINARY(mm)},
       {"aten::addmm",
@@ -338,6 +483,7 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
 #undef WRAPPED
 #undef WRAPPED_ALPHA
 #undef INPLACE_BINARY
+#undef INPLACE_UNARY
 #undef INPLACE_BINARY_ALPHA
 
 }  // namespace

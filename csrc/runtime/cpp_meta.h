@@ -33,7 +33,13 @@ using CppMetaKernel = bool (*)(torch::jit::Stack& stack);
 // wrapped by torch._disable_dynamo, whose first call imports torch._dynamo:
 // ~0.9 s once per process, which was 94% of the first pass over the (c)
 // block's 20 lengths (native_layer_norm's ref, the block's first op) and
-// of a TransformerEncoderLayer's first 20 forwards (mul.Scalar's).
+// of a TransformerEncoderLayer's first 20 forwards (mul.Scalar's). Session
+// 24 added the ops a fresh process's first call showed importing it
+// (atan, fmod, softplus, cross_entropy's nll_loss_forward, 2 ** t, 1 - t,
+// mean(), in-place unary ops, ...); still Python (their first call imports
+// it): floor_divide, logical_and/or/not, hardtanh (relu6), hardswish,
+// logsigmoid, std, norm, logsumexp, dropout, group_norm, stack, abs_,
+// roll, scaled_dot_product_attention.
 CppMetaKernel FindCppMeta(const c10::OperatorHandle& op);
 
 }  // namespace torch_tpu::runtime

@@ -119,6 +119,81 @@ def _cases():
         ("exp2 int", lambda t: torch.exp2(t["i"])),
         ("abs", lambda t: torch.abs(t["ft"])),
         ("abs int", lambda t: torch.abs(t["i"])),
+        # Session 24: ops whose Python meta kernel was a torch._refs one.
+        ("atan", lambda t: torch.atan(t["ft"])),
+        ("asin int", lambda t: torch.asin(t["i"].clamp(-1, 1))),
+        ("acos", lambda t: torch.acos(t["f"].clamp(-1, 1))),
+        ("tan", lambda t: torch.tan(t["h"])),
+        ("sinh", lambda t: torch.sinh(t["ft"])),
+        ("cosh int", lambda t: torch.cosh(t["i"])),
+        ("asinh", lambda t: torch.asinh(t["f"])),
+        ("acosh", lambda t: torch.acosh(t["f"].abs() + 1)),
+        ("atanh", lambda t: torch.atanh(t["ft"].clamp(-0.9, 0.9))),
+        ("erfinv", lambda t: torch.erfinv(t["f"].clamp(-0.9, 0.9))),
+        ("lgamma", lambda t: torch.lgamma(t["ft"].abs() + 0.5)),
+        ("digamma int", lambda t: torch.digamma(t["i"].abs() + 1)),
+        ("frac", lambda t: torch.frac(t["f"] * 3)),
+        ("sgn", lambda t: torch.sgn(t["ft"])),
+        ("i0", lambda t: torch.i0(t["f"])),
+        ("sinc", lambda t: torch.sinc(t["ft"])),
+        ("hardsigmoid", lambda t: torch.nn.functional.hardsigmoid(t["f"] * 4)),
+        ("mish", lambda t: torch.nn.functional.mish(t["ft"])),
+        ("atan2 broadcast", lambda t: torch.atan2(t["f"], t["row"])),
+        ("fmod int", lambda t: torch.fmod(t["i"], t["i"].abs() + 1)),
+        ("fmod.Scalar", lambda t: torch.fmod(t["ft"], 0.7)),
+        ("remainder int/float", lambda t: torch.remainder(t["i"], t["f"].abs() + 0.5)),
+        ("remainder.Scalar int", lambda t: torch.remainder(t["i"], 3)),
+        ("hypot", lambda t: torch.hypot(t["ft"], t["f"])),
+        ("logaddexp", lambda t: torch.logaddexp(t["f"], t["ft"])),
+        ("logaddexp2", lambda t: torch.logaddexp2(t["h"], t["h"].flip(0))),
+        ("xlogy", lambda t: torch.xlogy(t["f"], t["ft"].abs())),
+        ("xlogy.Scalar_Other", lambda t: torch.xlogy(t["f"], 2.0)),
+        ("copysign", lambda t: torch.copysign(t["f"], t["ft"])),
+        ("copysign.Scalar int", lambda t: torch.copysign(t["i"], -1.0)),
+        ("fmax", lambda t: torch.fmax(t["f"], t["row"])),
+        ("fmin int", lambda t: torch.fmin(t["i"], t["i"].flip(1))),
+        ("nextafter", lambda t: torch.nextafter(t["f"], t["ft"])),
+        ("heaviside", lambda t: torch.heaviside(t["f"], t["ft"])),
+        ("bitwise_xor bool", lambda t: t["b"] ^ (t["i"] > 0)),
+        ("bitwise_xor.Scalar", lambda t: torch.ops.aten.bitwise_xor.Scalar(t["i"], 6)),
+        ("tanh_backward", lambda t: torch.ops.aten.tanh_backward(t["f"], t["ft"])),
+        ("sigmoid_backward", lambda t: torch.ops.aten.sigmoid_backward(t["ft"], t["f"])),
+        ("silu_backward", lambda t: torch.ops.aten.silu_backward(t["f"], t["ft"])),
+        ("threshold_backward", lambda t: torch.ops.aten.threshold_backward(t["f"], t["ft"], 0.0)),
+        ("gelu_backward tanh", lambda t: torch.ops.aten.gelu_backward(t["f"], t["ft"], approximate="tanh")),
+        ("softplus", lambda t: torch.nn.functional.softplus(t["ft"], beta=2, threshold=1)),
+        ("elu", lambda t: torch.nn.functional.elu(t["f"], alpha=0.5)),
+        ("leaky_relu", lambda t: torch.nn.functional.leaky_relu(t["ft"], 0.2)),
+        ("mse_loss", lambda t: torch.nn.functional.mse_loss(t["f"], t["ft"])),
+        ("mse_loss none", lambda t: torch.nn.functional.mse_loss(t["f"], t["ft"], reduction="none")),
+        ("nll_loss_forward", lambda t: torch.nn.functional.cross_entropy(t["f"], t["i"][:, 0].abs() % 4)),
+        ("cumprod dtype", lambda t: t["i"].cumprod(1, dtype=torch.float64)),
+        ("pow.Scalar", lambda t: 2 ** t["ft"]),
+        ("pow.Scalar int", lambda t: 3 ** t["i"].abs()),
+        ("rsub.Scalar int", lambda t: 1.5 - t["i"]),
+        ("rsub.Tensor", lambda t: torch.rsub(t["ft"], t["row"], alpha=2)),
+        ("mean", lambda t: t["ft"].mean()),
+        ("mean dtype", lambda t: t["i"].mean(dtype=torch.float64)),
+        ("clamp.Tensor", lambda t: t["f"].clamp(min=t["row"])),
+        ("clamp_", lambda t: t["ft"].clone().clamp_(-0.2, 0.3)),
+        ("isnan", lambda t: torch.isnan(t["ft"] / t["ft"].round())),
+        ("sigmoid_", lambda t: t["f"].clone().sigmoid_()),
+        ("exp_", lambda t: t["ft"].clone().exp_()),
+        ("tanh_", lambda t: t["h"].clone().tanh_()),
+        ("sqrt_", lambda t: t["f"].abs().sqrt_()),
+        ("rsqrt_", lambda t: (t["f"].abs() + 1).rsqrt_()),
+        ("sin_", lambda t: t["ft"].clone().sin_()),
+        ("cos_", lambda t: t["f"].clone().cos_()),
+        ("log_", lambda t: (t["f"].abs() + 1).log_()),
+        ("neg_ int", lambda t: t["i"].clone().neg_()),
+        ("erf_", lambda t: t["f"].clone().erf_()),
+        ("log1p_", lambda t: t["ft"].abs().log1p_()),
+        ("reciprocal_", lambda t: (t["f"] + 5).reciprocal_()),
+        ("floor_", lambda t: (t["f"] * 3).floor_()),
+        ("ceil_", lambda t: (t["ft"] * 3).ceil_()),
+        ("round_", lambda t: (t["f"] * 3).round_()),
+        ("trunc_", lambda t: (t["f"] * 3).trunc_()),
+        ("expm1_", lambda t: t["ft"].clone().expm1_()),
     ], {"f": f, "i": i, "b": b, "ft": ft, "row": row, "h": h}
 
 
@@ -202,9 +277,31 @@ print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
 """
 
 
+# Session 24's table ops (each imported torch._dynamo on a fresh process's
+# first call): activations, losses, pointwise math, in-place unary ops.
+NO_DYNAMO_IMPORT_MORE = r"""
+import json, sys, torch, torch_tpu
+import torch.nn.functional as F
+torch_tpu.set_eager_mode("strict")
+before = "torch._dynamo" in sys.modules
+x = torch.randn(4, 8).to("tpu")
+y = torch.randn(4, 8).to("tpu")
+t = torch.tensor([1, 0, 3, 2]).to("tpu")
+r = [torch.atan(x), torch.tan(x), torch.atan2(x, y), torch.fmod(x, y), torch.remainder(x, 2), torch.hypot(x, y),
+     torch.logaddexp(x, y), torch.xlogy(x.abs(), y.abs()), torch.copysign(x, y), torch.fmax(x, y), torch.lgamma(x.abs()),
+     F.softplus(x), F.elu(x), F.leaky_relu(x), F.mish(x), F.hardsigmoid(x), F.mse_loss(x, y), F.cross_entropy(x, t),
+     x.clamp(min=y), 1 - x, 2 ** x, x.mean(), x.isnan(), x.cumprod(1), x.clone().sigmoid_(), x.clone().exp_(),
+     x.clone().clamp_(0, 1), (x > 0) ^ (y > 0)]
+for v in r:
+    v.cpu()
+print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
+"""
+
+
+@pytest.mark.parametrize("script", ["transformer", "more"])
 @pytest.mark.parametrize("cpp_meta", ["1", "0"])
-def test_common_ops_do_not_import_dynamo(cpp_meta, tmp_path):
-    r = run_python(NO_DYNAMO_IMPORT, env={"TORCH_TPU_CACHE_DIR": str(tmp_path), "TORCH_TPU_CPP_META": cpp_meta},
+def test_common_ops_do_not_import_dynamo(cpp_meta, script, tmp_path):
+    r = run_python(NO_DYNAMO_IMPORT if script == "transformer" else NO_DYNAMO_IMPORT_MORE, env={"TORCH_TPU_CACHE_DIR": str(tmp_path), "TORCH_TPU_CPP_META": cpp_meta},
                    timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
