@@ -890,6 +890,13 @@ bool IsDtypeMessage(const std::string& m) {
          l.find("same type") != std::string::npos;
 }
 
+// CPU's dtype dispatch (AT_DISPATCH_*) rejecting a dtype its kernel has no
+// case for: NotImplementedError "\"leaky_relu_cpu\" not implemented for
+// 'Long'".
+bool IsDispatchDtypeMessage(const std::string& m) { return m.find(" not implemented for '") != std::string::npos; }
+
+bool IsDtypeOrDispatchMessage(const std::string& m) { return IsDtypeMessage(m) || IsDispatchDtypeMessage(m); }
+
 bool IsScalarConversionMessage(const std::string& m) {
   return m.find("cannot be converted to type") != std::string::npos;
 }
@@ -899,7 +906,9 @@ bool IsScalarConversionMessage(const std::string& m) {
 // they are), with warnings dropped. A c10::Error whose message `adopt`
 // accepts is rethrown as is (CPU's exception type and message); any other
 // outcome returns (an error of another kind, which zeros may cause, is not
-// the call's).
+// the call's). Dense zeros, not one zero expanded: CPU kernels index
+// their inputs' data as laid out densely (adaptive_max_pool3d_backward's
+// read past an expanded input and crashed).
 void ProbeOnCpu(const c10::OperatorHandle& op, const torch::jit::Stack& stack, bool (*adopt)(const std::string&)) {
   const size_t first = stack.size() - op.schema().arguments().size();
   torch::jit::Stack probe(stack.begin() + static_cast<std::ptrdiff_t>(first), stack.end());
@@ -934,6 +943,7 @@ int64_t TpuBytes(const c10::OperatorHandle& op, const torch::jit::Stack& stack) 
 }
 
 constexpr int64_t kProbeMaxBytes = int64_t{256} << 20;
+constexpr int64_t kIntegralProbeMaxBytes = int64_t{16} << 20;
 
 // Mixed floating dtypes: CPU's kernel is the reference. Many CPU kernels
 // take no type promotion and require their floating operands to share one
@@ -955,34 +965,51 @@ constexpr int64_t kProbeMaxBytes = int64_t{256} << 20;
 // probed: random ops (the CPU generator would advance), calls with a
 // Device argument, and calls whose tpu tensors exceed 256 MiB together
 // (the probe would allocate as much on the host).
+//
+// Likewise a call with an integer or bool tpu tensor (session 24): CPU's
+// kernels dispatch on dtype, and one with no case for it raises
+// NotImplementedError ("\"leaky_relu_cpu\" not implemented for 'Long'"), a
+// check ATen's C++ meta steps leave to the kernel (cpp_meta.cpp's table:
+// leaky_relu, mse_loss of int64 gave values once a program served the key;
+// hardsigmoid, tanh_backward, silu_backward of integers did before it).
+// Probed once per (overload, dtype signature) where the call's tpu tensors
+// total at most 16 MiB (the probe allocates their zeros on the host; an
+// embedding's table is often larger, and takes integer indices); such an
+// error, or a dtype error, is raised at the op in every mode.
 void CheckDtypesLikeCpu(const OpFacts& f, const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
   if (f.entry->traits.needs_rng) return;
   const size_t n = op.schema().arguments().size(), first = stack.size() - n;
   at::ScalarType seen = at::ScalarType::Undefined;
-  bool mixed = false;
+  bool mixed = false, integral = false;
   for (size_t i = first; i < stack.size() && !mixed; ++i)
     ForEachTensor(stack[i], [&](const at::Tensor& t) {
-      if (!t.defined() || t.device().type() != kTpu || !(t.is_floating_point() || t.is_complex())) return;
+      if (!t.defined() || t.device().type() != kTpu) return;
+      if (!(t.is_floating_point() || t.is_complex())) {
+        integral = true;
+        return;
+      }
       if (seen == at::ScalarType::Undefined) seen = t.scalar_type();
       else if (t.scalar_type() != seen) mixed = true;
     });
-  if (!mixed) return;
-  const int64_t bytes = TpuBytes(op, stack);
-  if (bytes < 0 || bytes > kProbeMaxBytes) return;
-  // The signature: every tensor's dtype and device kind, in argument order.
-  std::vector<int16_t> sig;
+  if (!mixed && !integral) return;
+  // The signature: every tensor's dtype and device kind, in argument order
+  // (hashed: integer tensors are common, this runs for each of their calls).
+  size_t sig = 0;
   for (size_t i = first; i < stack.size(); ++i) {
     ForEachTensor(stack[i], [&](const at::Tensor& t) {
-      sig.push_back(t.defined() ? static_cast<int16_t>(static_cast<int>(t.scalar_type()) * 2 + (t.device().type() == kTpu))
-                                : int16_t{-1});
+      sig = c10::hash_combine(
+          sig, t.defined() ? static_cast<size_t>(static_cast<int>(t.scalar_type()) * 2 + (t.device().type() == kTpu))
+                           : size_t{1} << 20);
     });
-    sig.push_back(-2);
+    sig = c10::hash_combine(sig, size_t{1} << 21);
   }
-  thread_local std::set<std::pair<const c10::FunctionSchema*, std::vector<int16_t>>> accepted;
-  auto key = std::make_pair(&op.schema(), std::move(sig));
+  thread_local std::unordered_set<size_t> accepted;
+  const size_t key = c10::hash_combine(std::hash<const void*>()(&op.schema()), sig);
   if (accepted.count(key)) return;
-  ProbeOnCpu(op, stack, IsDtypeMessage);
-  accepted.insert(std::move(key));
+  const int64_t bytes = TpuBytes(op, stack);
+  if (bytes < 0 || bytes > (mixed ? kProbeMaxBytes : kIntegralProbeMaxBytes)) return;
+  ProbeOnCpu(op, stack, mixed ? IsDtypeMessage : IsDtypeOrDispatchMessage);
+  accepted.insert(key);
 }
 
 bool IsNumberArg(const c10::TypePtr& t) {

@@ -729,6 +729,58 @@ def test_mixed_dtypes_raise_like_cpu_at_the_op(case, mode):
             wait_for_compiles()
 
 
+_i64 = torch.tensor([[3, -2, 0, 5], [1, 7, -4, 2]])
+# Integer or bool inputs CPU's kernel has no dtype case for (AT_DISPATCH_*):
+# NotImplementedError "... not implemented for 'Long'", which ATen's C++ meta
+# steps leave to the kernel (session 24 review: leaky_relu and mse_loss of
+# int64 gave values once a program served the key, after cpp_meta.cpp's
+# table replaced their Python meta kernels; hardsigmoid, tanh_backward and
+# sigmoid_backward did before).
+DISPATCH_CASES = {
+    "leaky_relu": (lambda x: torch.nn.functional.leaky_relu(x, 0.2), [_i64]),
+    "mse_loss": (lambda x: torch.nn.functional.mse_loss(x, x.flip(1)), [_i64]),
+    "mse_loss_none": (lambda x: torch.nn.functional.mse_loss(x, x.flip(1), reduction="none"), [_i64]),
+    "hardsigmoid": (lambda x: torch.nn.functional.hardsigmoid(x), [_i64]),
+    "tanh_backward": (lambda x: _A.tanh_backward(x, x), [_i64]),
+    "sigmoid_backward": (lambda x: _A.sigmoid_backward(x, x), [_i64]),
+    "nll_loss_forward": (lambda x, t: _A.nll_loss_forward(x, t, None, 1, -100)[0], [_i64, torch.tensor([1, 3])]),
+    "softplus_bool": (lambda x: torch.nn.functional.softplus(x), [_i64 > 0]),
+    "elu": (lambda x: torch.nn.functional.elu(x), [_i64]),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", sorted(DISPATCH_CASES))
+def test_dtypes_cpu_kernels_lack_raise_like_cpu_at_the_op(case, mode):
+    """CPU's exception type and message at the op, on every call (strict:
+    the host-served first calls and the program after them)."""
+    fn, args = DISPATCH_CASES[case]
+    cpu = _cpu_error(fn, *args)
+    assert " not implemented for '" in str(cpu), f"CPU's message changed: {cpu}"
+    targs = _to_tpu(args)
+    with torch_tpu.eager_mode(mode):
+        for _ in range(3):
+            with pytest.raises(type(cpu)) as info:
+                fn(*targs)
+            assert str(info.value).split("\n")[0] == str(cpu).split("\n")[0]
+            torch.tpu.synchronize()
+            wait_for_compiles()
+
+
+def test_integer_calls_cpu_accepts_keep_their_values():
+    """Integer calls CPU's kernels accept are probed once per dtype
+    signature and keep CPU's values, exactly, in every mode."""
+    cases = [lambda x: x + 1, lambda x: x.cumsum(1), lambda x: torch.remainder(x, 3), lambda x: x.abs().max(1).values,
+             lambda x: torch.where(x > 0, x, -x), lambda x: x.flip(0) * x]
+    for mode in MODES:
+        with torch_tpu.eager_mode(mode):
+            for fn in cases:
+                for _ in range(3):
+                    assert torch.equal(fn(_i64.to(TPU)).cpu(), fn(_i64))
+                    torch.tpu.synchronize()
+                    wait_for_compiles()
+
+
 def test_valid_mixed_dtypes_still_compute_on_the_device():
     """Mixes CPU accepts keep their values and stay on the device: the probe
     runs once per dtype signature and is not a CPU fallback."""
