@@ -895,8 +895,6 @@ bool IsDtypeMessage(const std::string& m) {
 // 'Long'".
 bool IsDispatchDtypeMessage(const std::string& m) { return m.find(" not implemented for '") != std::string::npos; }
 
-bool IsDtypeOrDispatchMessage(const std::string& m) { return IsDtypeMessage(m) || IsDispatchDtypeMessage(m); }
-
 bool IsScalarConversionMessage(const std::string& m) {
   return m.find("cannot be converted to type") != std::string::npos;
 }
@@ -975,7 +973,7 @@ constexpr int64_t kIntegralProbeMaxBytes = int64_t{16} << 20;
 // Probed once per (overload, dtype signature) where the call's tpu tensors
 // total at most 16 MiB (the probe allocates their zeros on the host; an
 // embedding's table is often larger, and takes integer indices); such an
-// error, or a dtype error, is raised at the op in every mode.
+// error is raised at the op in every mode.
 void CheckDtypesLikeCpu(const OpFacts& f, const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
   if (f.entry->traits.needs_rng) return;
   const size_t n = op.schema().arguments().size(), first = stack.size() - n;
@@ -1008,7 +1006,11 @@ void CheckDtypesLikeCpu(const OpFacts& f, const c10::OperatorHandle& op, const t
   if (accepted.count(key)) return;
   const int64_t bytes = TpuBytes(op, stack);
   if (bytes < 0 || bytes > (mixed ? kProbeMaxBytes : kIntegralProbeMaxBytes)) return;
-  ProbeOnCpu(op, stack, mixed ? IsDtypeMessage : IsDtypeOrDispatchMessage);
+  // Integer/bool calls adopt the dispatch error only: a dtype error may be
+  // one CPU raises after value checks the zeros pass and the real values
+  // fail (a bool mask assignment of a wrong shape and dtype: CPU raises
+  // "shape mismatch"; on a zero mask, index_put_'s dtype error).
+  ProbeOnCpu(op, stack, mixed ? IsDtypeMessage : IsDispatchDtypeMessage);
   accepted.insert(key);
 }
 
