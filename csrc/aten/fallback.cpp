@@ -977,30 +977,29 @@ constexpr int64_t kIntegralProbeMaxBytes = int64_t{16} << 20;
 void CheckDtypesLikeCpu(const OpFacts& f, const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
   if (f.entry->traits.needs_rng) return;
   const size_t n = op.schema().arguments().size(), first = stack.size() - n;
+  // One pass: whether the tpu tensors mix floating dtypes or hold an
+  // integer/bool one, and the signature (every tensor's dtype and device
+  // kind, in argument order; hashed: integer tensors are common, this runs
+  // for each of their calls).
   at::ScalarType seen = at::ScalarType::Undefined;
   bool mixed = false, integral = false;
-  for (size_t i = first; i < stack.size() && !mixed; ++i)
-    ForEachTensor(stack[i], [&](const at::Tensor& t) {
-      if (!t.defined() || t.device().type() != kTpu) return;
-      if (!(t.is_floating_point() || t.is_complex())) {
-        integral = true;
-        return;
-      }
-      if (seen == at::ScalarType::Undefined) seen = t.scalar_type();
-      else if (t.scalar_type() != seen) mixed = true;
-    });
-  if (!mixed && !integral) return;
-  // The signature: every tensor's dtype and device kind, in argument order
-  // (hashed: integer tensors are common, this runs for each of their calls).
   size_t sig = 0;
   for (size_t i = first; i < stack.size(); ++i) {
     ForEachTensor(stack[i], [&](const at::Tensor& t) {
-      sig = c10::hash_combine(
-          sig, t.defined() ? static_cast<size_t>(static_cast<int>(t.scalar_type()) * 2 + (t.device().type() == kTpu))
-                           : size_t{1} << 20);
+      if (!t.defined()) {
+        sig = c10::hash_combine(sig, size_t{1} << 20);
+        return;
+      }
+      const bool tpu = t.device().type() == kTpu;
+      sig = c10::hash_combine(sig, static_cast<size_t>(static_cast<int>(t.scalar_type()) * 2 + tpu));
+      if (!tpu) return;
+      if (!(t.is_floating_point() || t.is_complex())) integral = true;
+      else if (seen == at::ScalarType::Undefined) seen = t.scalar_type();
+      else if (t.scalar_type() != seen) mixed = true;
     });
     sig = c10::hash_combine(sig, size_t{1} << 21);
   }
+  if (!mixed && !integral) return;
   thread_local std::unordered_set<size_t> accepted;
   const size_t key = c10::hash_combine(std::hash<const void*>()(&op.schema()), sig);
   if (accepted.count(key)) return;

@@ -125,6 +125,10 @@ std::optional<at::Tensor> OptT(const Stack& s, size_t i) {
   if (s[i].isNone()) return std::nullopt;
   return s[i].toTensor();
 }
+std::optional<at::Scalar> OptS(const Stack& s, size_t i) {
+  if (s[i].isNone()) return std::nullopt;
+  return S(s, i);
+}
 std::optional<at::ScalarType> Dtype(const Stack& s, size_t i) {
   if (s[i].isNone()) return std::nullopt;
   return s[i].toScalarType();
@@ -286,11 +290,7 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
       {"aten::relu", Relu},
       {"aten::abs", Abs},
       {"aten::clamp",
-       [](Stack& s) {
-         const std::optional<at::Scalar> lo = s[1].isNone() ? std::nullopt : std::optional<at::Scalar>(S(s, 1));
-         const std::optional<at::Scalar> hi = s[2].isNone() ? std::nullopt : std::optional<at::Scalar>(S(s, 2));
-         return Ret(s, at::meta::clamp(T(s, 0), lo, hi));
-       }},
+       [](Stack& s) { return Ret(s, at::meta::clamp(T(s, 0), OptS(s, 1), OptS(s, 2))); }},
       {"aten::clamp_min", BINARY_SCALAR(clamp_min)},
       {"aten::clamp_max", BINARY_SCALAR(clamp_max)},
       {"aten::erf", UNARY(erf)},
@@ -461,9 +461,7 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
       {"aten::clamp_",
        [](Stack& s) {
          at::Tensor self = T(s, 0);
-         const std::optional<at::Scalar> lo = s[1].isNone() ? std::nullopt : std::optional<at::Scalar>(S(s, 1));
-         const std::optional<at::Scalar> hi = s[2].isNone() ? std::nullopt : std::optional<at::Scalar>(S(s, 2));
-         at::meta::clamp_(self, lo, hi);
+         at::meta::clamp_(self, OptS(s, 1), OptS(s, 2));
          return Ret(s, self);
        }},
       // isnan: ATen's kernel is self != self.

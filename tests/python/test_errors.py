@@ -57,6 +57,22 @@ def _to_tpu(args):
     return [a.to(TPU) if isinstance(a, torch.Tensor) else a for a in args]
 
 
+def _raises_like_cpu_at_every_call(fn, args, cpu, mode, sync=False):
+    """fn on the args moved to tpu raises CPU's exception type and first
+    message line `cpu` at the call itself, three times (strict: the
+    host-served first calls and the program after them; `sync`: a sync
+    point between calls, so the second call's compile is queued)."""
+    targs = _to_tpu(args)
+    with torch_tpu.eager_mode(mode):
+        for _ in range(3):
+            with pytest.raises(type(cpu)) as info:
+                fn(*targs)
+            assert str(info.value).split("\n")[0] == str(cpu).split("\n")[0]
+            if sync:
+                torch.tpu.synchronize()
+            wait_for_compiles()
+
+
 def _check(fn, args, regex, mode):
     cpu = _cpu_error(fn, *args)
     assert re.search(regex, str(cpu)), f"CPU's message changed: {cpu}"
@@ -720,13 +736,7 @@ def test_mixed_dtypes_raise_like_cpu_at_the_op(case, mode):
     fn, args, regex = MIXED_CASES[case]
     cpu = _cpu_error(fn, *args)
     assert re.search(regex, str(cpu)), f"CPU's message changed: {cpu}"
-    targs = _to_tpu(args)
-    with torch_tpu.eager_mode(mode):
-        for _ in range(3):
-            with pytest.raises(type(cpu)) as info:
-                fn(*targs)
-            assert str(info.value).split("\n")[0] == str(cpu).split("\n")[0]
-            wait_for_compiles()
+    _raises_like_cpu_at_every_call(fn, args, cpu, mode)
 
 
 _i64 = torch.tensor([[3, -2, 0, 5], [1, 7, -4, 2]])
@@ -757,14 +767,7 @@ def test_dtypes_cpu_kernels_lack_raise_like_cpu_at_the_op(case, mode):
     fn, args = DISPATCH_CASES[case]
     cpu = _cpu_error(fn, *args)
     assert " not implemented for '" in str(cpu), f"CPU's message changed: {cpu}"
-    targs = _to_tpu(args)
-    with torch_tpu.eager_mode(mode):
-        for _ in range(3):
-            with pytest.raises(type(cpu)) as info:
-                fn(*targs)
-            assert str(info.value).split("\n")[0] == str(cpu).split("\n")[0]
-            torch.tpu.synchronize()
-            wait_for_compiles()
+    _raises_like_cpu_at_every_call(fn, args, cpu, mode, sync=True)
 
 
 def test_integer_calls_cpu_accepts_keep_their_values():

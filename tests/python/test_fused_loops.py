@@ -624,7 +624,7 @@ def other(a, b):  # another structure beginning with the same op (sin)
 def counts():
     m = torch_tpu.metrics()
     return [m["fused_regions"], m["fused_regions_op_by_op"], m["fused_regions_passed_through"], m["compiles"]]
-err, phases = 0.0, []
+err = 0.0
 with torch_tpu.eager_mode("fused"):
     B = b.to("tpu"); XS = [x.to("tpu") for x in xs]
     # A region of 300 calls, its compile queued first: the compile thread is
