@@ -88,7 +88,16 @@ EagerMode CurrentMode() { return static_cast<EagerMode>(ModeStorage().load(std::
 void SetMode(EagerMode mode) {
   if (mode != CurrentMode()) {
     CloseGraphWindow();  // before the flush: calls recorded from now on are the new mode's
+    // The mode changes even when the flush raises (a region that failed to
+    // run: its calls are dropped and its storages hold the error), so that
+    // `with torch_tpu.eager_mode(...)` restores the previous mode while the
+    // error propagates.
+    struct Store {
+      EagerMode mode;
+      ~Store() { ModeStorage().store(static_cast<int>(mode)); }
+    } store{mode};
     FlushFusedRegion();
+    return;
   }
   ModeStorage().store(static_cast<int>(mode));
 }

@@ -115,6 +115,16 @@ hlo::Value ReadWholeStorage(ProgramBuilder& pb, const at::Tensor& t, const Input
       InputSlot slot = st->first_use;
       slot.kind = InputSlot::Kind::kStorage;
       slot.element = st->element;
+      // The buffer the parameter declares: the launch resizes a storage
+      // whose buffer has another capacity (GatherInputs), as for an ATen
+      // call's read (ProgramBuilder::ReadFlat). The key holds only the
+      // storage's number, and its buffer may be swapped after the call was
+      // recorded: a flush (a loop boundary or the size bound in
+      // RecordGraph, the calls before a partial flush) may run the calls
+      // writing it op by op, and a bucket program leaves its canonical
+      // buffer there (more elements; the MLP of test_compile_train:
+      // "expected parameter 7 of size 2560 but got ... 4096").
+      slot.numel = st->numel;
       pb.inputs.push_back(slot);
     }
     flat = *st->param;
@@ -460,9 +470,10 @@ class FusedExecutor {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     EndPassThrough();  // graph calls are recorded
     const int device_index = graph->CheckInputs(given);
-    // Inputs the program cannot take as they are (views, conjugate bits, a
-    // buffer of another capacity) are copied contiguous first: recorded
-    // clones, before the graph call.
+    // Inputs the program cannot take as they are (views, conjugate bits)
+    // are copied contiguous first: recorded clones, before the graph call.
+    // A buffer of another capacity is taken as it is (the launch resizes
+    // it: ReadWholeStorage's slot, GraphProgram::Launch).
     std::vector<at::Tensor> inputs(given.size());
     for (size_t i = 0; i < given.size(); ++i)
       inputs[i] = graph->FeedsAsIs(static_cast<int>(i), given[i]) ? given[i]
@@ -1570,7 +1581,9 @@ class FusedExecutor {
     inputs.reserve(rc.args.size());
     for (size_t k = 0; k < rc.args.size(); ++k) {
       inputs.push_back(rc.args[k].toTensor());
-      // Recording checked it; a copy now would record into this region.
+      // Recording checked it (a view, conjugate bits: a recorded clone);
+      // a copy now would record into this region. A buffer swapped since
+      // (another capacity) still feeds as is: Launch resizes it.
       if (!g.FeedsAsIs(static_cast<int>(k), inputs.back()))
         throw std::logic_error("fused region: graph " + g.name() + " input " + std::to_string(k) +
                                " changed layout before the region ran");

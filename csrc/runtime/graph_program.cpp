@@ -520,11 +520,16 @@ int GraphProgram::CheckInputs(const std::vector<at::Tensor>& inputs) const {
 bool GraphProgram::FeedsAsIs(int input, const at::Tensor& t) const {
   const InputInfo& info = inputs_.at(static_cast<size_t>(input));
   const DeviceStorage& s = StorageOf(t);
-  int64_t storage_numel =
-      s.initialized() ? s.current().numel : Capacity(static_cast<int64_t>(s.nbytes() / ElementSize(info.element)));
   // A conjugate/negative view holds other values than its storage's: the
-  // clone materializes them.
-  return t.is_contiguous() && t.storage_offset() == 0 && storage_numel == Capacity(info.numel) &&
+  // clone materializes them. The buffer's capacity is not a condition: a
+  // storage's values are its buffer's first elements whatever the capacity
+  // (a bucket program's canonical buffer holds padding after them), and the
+  // launch resizes a buffer of another capacity to the declared one (Launch
+  // here, GatherInputs in a fused region). Required here, it failed
+  // whenever the buffer was swapped between the check and the launch (a
+  // fused region's calls run op by op after the graph call was recorded:
+  // "graph ... input 3 changed layout before the region ran").
+  return t.is_contiguous() && t.storage_offset() == 0 &&
          static_cast<int64_t>(s.nbytes()) == info.numel * static_cast<int64_t>(ElementSize(info.element)) &&
          (!s.initialized() || s.current().element == info.element) && !t.is_conj() && !t.is_neg();
 }
@@ -607,6 +612,7 @@ std::vector<at::Tensor> GraphProgram::Launch(const std::vector<at::Tensor>& inpu
   if (cloned) FlushPendingWork();
   std::vector<pjrt::Buffer*> args(params_.size());
   std::vector<std::shared_ptr<pjrt::Buffer>> temps;
+  std::vector<bool> resized(inputs.size(), false);  // per input: fed a resized copy of its buffer
   CheckList inherited;  // the inputs' unresolved value checks: the outputs are poisoned by them too
   for (size_t p = 0; p < params_.size(); ++p) {
     const ParamSlot& slot = params_[p];
@@ -616,13 +622,16 @@ std::vector<at::Tensor> GraphProgram::Launch(const std::vector<at::Tensor>& inpu
       if (!sb.checks.empty()) InheritChecks(inherited, sb.checks);
       args[p] = sb.buffer.get();
       if (sb.numel != Capacity(info.numel)) {
-        // Only a clone gets here (FeedsAsIs checked the others): a clone
-        // served by a shape-polymorphic bucket program keeps the bucket's
-        // rows as its buffer (a [5, 5] clone in a buffer of 16 x 5), which
-        // PJRT rejects for this parameter ("expected parameter 7 of size
-        // 104 but got buffer with incompatible size 320").
+        // A buffer of another capacity (FeedsAsIs does not look at it): a
+        // storage written, or a clone served, by a shape-polymorphic bucket
+        // program keeps the bucket's rows as its buffer (a [5, 5] clone in
+        // a buffer of 16 x 5), which PJRT rejects for this parameter
+        // ("expected parameter 7 of size 104 but got buffer with
+        // incompatible size 320"): its first elements, resized. This
+        // launch's copy; never donated.
         temps.push_back(ResizeStorageBuffer(sb, Capacity(info.numel), device_index).buffer);
         args[p] = temps.back().get();
+        resized[static_cast<size_t>(slot.index)] = true;
       }
       continue;
     }
@@ -646,7 +655,7 @@ std::vector<at::Tensor> GraphProgram::Launch(const std::vector<at::Tensor>& inpu
   std::vector<std::pair<int, int>> applied;  // (input, program output) written in place
   for (const auto& [input, result] : donations_) {
     const at::Tensor& t = inputs[static_cast<size_t>(input)];
-    if (!dense[static_cast<size_t>(input)].is_same(t)) continue;
+    if (!dense[static_cast<size_t>(input)].is_same(t) || resized[static_cast<size_t>(input)]) continue;
     const DeviceStorage* storage = &StorageOf(t);
     bool fed_once = true;
     for (size_t j = 0; j < dense.size(); ++j)

@@ -139,7 +139,8 @@ class GraphProgram : public std::enable_shared_from_this<GraphProgram> {
   int CheckInputs(const std::vector<at::Tensor>& inputs) const;
   // Whether `t` can be fed as input `input` as it is: a contiguous tensor
   // covering its whole storage, whose buffer has the input's element type
-  // and capacity (Run copies other tensors contiguous first).
+  // (Run copies other tensors contiguous first). A buffer of another
+  // capacity is fed as is: the launch resizes it (its first elements).
   bool FeedsAsIs(int input, const at::Tensor& t) const;
 
   // Emits the graph's calls into `b` (another module: a fused region's),

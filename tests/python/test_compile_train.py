@@ -19,6 +19,9 @@ steps).
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -161,3 +164,53 @@ def test_compiled_norms_without_bias_or_affine_stay_one_program():
         _compare(model, _mlp_loss, batch, "strict")
     op_by_op = [str(w.message) for w in caught if "runs op by op" in str(w.message)]
     assert not op_by_op, op_by_op
+
+
+@pytest.mark.parametrize("max_ops", ["1", "512"])
+def test_graph_input_whose_buffer_a_bucket_program_swapped_after_recording(tmp_path, max_ops):
+    """CI failure (session 24): the MLP above in fused mode raised "Executable expected
+    parameter 7 of size 2560 but got buffer with incompatible size 4096", and a Hugging Face
+    generate() "graph ... input 3 changed layout before the region ran". A graph call's
+    input storage was checked (FeedsAsIs) while it held its exact buffer; then the calls
+    writing it ran op by op and a bucket program (rows 10 -> 16) left its canonical buffer
+    there. TORCH_TPU_FUSED_MAX_OPS=1: every region holds one call, so the mul_ region is
+    flushed (op by op: its program compiles in the background) after f's check, and the
+    graph's region key (graph uid, storage numbers) matched a program declared for the
+    exact buffer. 512: [mul_, graph] is one region run op by op, and the graph's launch
+    refused x. Now a buffer of another capacity is fed resized to the declared one. mul_
+    has a compiled bucket-16 program on [n, 8] (two exact lengths, then 12). Values equal
+    CPU's exactly (x * 2 + 1 rounds once). An empty cache directory: a region program
+    found on disk compiles at once, and the mul_ region would then not run op by op."""
+    code = """
+import sys, torch, torch_tpu
+def same(a, b):
+    torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0)
+f = torch.compile(lambda a: a * 2 + 1, backend="tpu")
+x_cpu = torch.randn(10, 8, generator=torch.Generator().manual_seed(0))
+x = x_cpu.to("tpu")
+torch_tpu.set_eager_mode("fused")
+for _ in range(4):  # the region [graph(x)] compiles for x's exact buffer
+    y = f(x)
+    torch.tpu.synchronize()
+    torch_tpu.metrics()
+same(y, x_cpu * 2 + 1)
+regions = torch_tpu.metrics()["fused_regions"]
+torch_tpu.set_eager_mode("strict")
+for n in (20, 24, 12, 12):  # mul_'s exact programs, then its bucket-16 program
+    t = torch.ones(n, 8).to("tpu")
+    t.mul_(1.0)
+    t.cpu()
+    torch_tpu.metrics()
+torch_tpu.set_eager_mode("fused")
+x.mul_(3.0)  # run op by op after f's FeedsAsIs: x gets the bucket program's [16, 8] buffer
+y = f(x)
+same(y, x_cpu * 3.0 * 2 + 1)
+same(x, x_cpu * 3.0)
+if sys.argv[1] == "1":  # the graph's region ran as its compiled program
+    assert torch_tpu.metrics()["fused_regions"] > regions
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code, max_ops], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TORCH_TPU_FUSED_MAX_OPS": max_ops, "TORCH_TPU_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("ok")

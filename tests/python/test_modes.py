@@ -25,6 +25,30 @@ def test_set_and_context_manager():
         torch_tpu.set_eager_mode("nonsense")
 
 
+def test_context_manager_restores_the_mode_when_the_flush_raises(tmp_path):
+    """Leaving ``eager_mode("fused")`` flushes the recorded region; when that raises the
+    error propagates AND the previous mode is back (CI, session 24: a region that failed
+    left the process in fused mode and five later tests failed). Here the region's first
+    run is op by op (its program compiles in the background: a fresh process and an empty
+    cache directory, so no program serves it yet) and CPU's index_select kernel raises on
+    the out-of-range index, as CPU PyTorch does."""
+    code = """
+import pytest, torch, torch_tpu
+x = torch.arange(13.0).to("tpu")
+bad = torch.tensor([2, 99, 5]).to("tpu")
+with pytest.raises(IndexError, match="index out of range"):
+    with torch_tpu.eager_mode("fused"):
+        torch.index_select(x, 0, bad)  # recorded; runs when the block ends
+        assert torch_tpu._C._fused_region_size() == 1
+assert torch_tpu.get_eager_mode() == "strict", torch_tpu.get_eager_mode()
+assert (x[:3] + 1).cpu().tolist() == [1.0, 2.0, 3.0]
+print("ok")
+"""
+    r = run_python(code, env={"TORCH_TPU_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "ok"
+
+
 @pytest.mark.parametrize("env,expected", [
     ({"TORCH_TPU_EAGER_MODE": "debug"}, "debug"),
     ({"TORCH_TPU_EAGER_MODE": "strict"}, "strict"),
