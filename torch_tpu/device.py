@@ -55,6 +55,18 @@ def is_initialized() -> bool:
     return _C._is_initialized()
 
 
+def __getattr__(name: str):
+    """``torch.tpu._initialized``: whether the PJRT client exists, as
+    ``torch.cuda._initialized``. torch.utils.checkpoint saves and restores a
+    device type's RNG state only where ``getattr(device_module,
+    "_initialized", False)`` is true (torch/utils/checkpoint.py); without it a
+    checkpointed block's recompute drew new dropout masks and its gradients
+    were silently wrong."""
+    if name == "_initialized":
+        return _C._is_initialized()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def device_count() -> int:
     """Number of addressable devices of the loaded plugin (0 if it cannot load)."""
     return _C.device_count()

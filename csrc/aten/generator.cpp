@@ -9,6 +9,7 @@
 #include <c10/core/GeneratorImpl.h>
 #include <c10/core/TensorImpl.h>
 
+#include <array>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -21,26 +22,57 @@ namespace {
 
 constexpr uint64_t kDefaultSeed = 67280421310721ULL;  // CUDA's default seed
 
+// Its state accessors (the seed, the offset, get/set_state) flush the
+// recorded fused region first: the region's random calls draw when it runs
+// (DrawRngState at the launch), so without the flush a state read in fused
+// mode missed them (torch.tpu.get_rng_state() after a dropout: the offset
+// before it, and restoring that state replayed the same mask; a
+// torch.utils.checkpoint recompute drew other values than the forward) and
+// a state written (manual_seed, set_rng_state) changed draws recorded
+// before it. Draws take the generator's own lock, not at::Generator's
+// mutex(): PyTorch holds that one around get_state() (THPGenerator), and
+// the flush draws on the same thread.
 struct TpuGeneratorImpl final : c10::GeneratorImpl {
   explicit TpuGeneratorImpl(c10::DeviceIndex index)
       : c10::GeneratorImpl(c10::Device(kTpu, index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)) {}
 
   void set_current_seed(uint64_t seed) override {
+    runtime::FlushPendingWork();
+    std::lock_guard<std::mutex> lock(state_mutex_);
     seed_ = seed;
     offset_ = 0;
   }
-  uint64_t current_seed() const override { return seed_; }
-  uint64_t seed() override {
-    set_current_seed(c10::detail::getNonDeterministicRandom(true));
+  uint64_t current_seed() const override {
+    runtime::FlushPendingWork();
+    std::lock_guard<std::mutex> lock(state_mutex_);
     return seed_;
   }
-  void set_offset(uint64_t offset) override { offset_ = offset; }
-  uint64_t get_offset() const override { return offset_; }
+  uint64_t seed() override {
+    set_current_seed(c10::detail::getNonDeterministicRandom(true));
+    std::lock_guard<std::mutex> lock(state_mutex_);
+    return seed_;
+  }
+  void set_offset(uint64_t offset) override {
+    runtime::FlushPendingWork();
+    std::lock_guard<std::mutex> lock(state_mutex_);
+    offset_ = offset;
+  }
+  uint64_t get_offset() const override {
+    runtime::FlushPendingWork();
+    std::lock_guard<std::mutex> lock(state_mutex_);
+    return offset_;
+  }
 
   // State: 16 bytes, seed then offset (uint8 CPU tensor, as CUDA's).
   c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    runtime::FlushPendingWork();
     auto state = at::empty({16}, at::TensorOptions().dtype(at::kByte));
-    uint64_t v[2] = {seed_, offset_};
+    uint64_t v[2];
+    {
+      std::lock_guard<std::mutex> lock(state_mutex_);
+      v[0] = seed_;
+      v[1] = offset_;
+    }
     std::memcpy(state.data_ptr(), v, sizeof(v));
     return state.getIntrusivePtr();
   }
@@ -49,21 +81,42 @@ struct TpuGeneratorImpl final : c10::GeneratorImpl {
                 "tpu RNG state must be a uint8 tensor of 16 bytes, got ", new_state.numel(), " elements");
     uint64_t v[2];
     std::memcpy(v, new_state.data(), sizeof(v));
+    runtime::FlushPendingWork();
+    std::lock_guard<std::mutex> lock(state_mutex_);
     seed_ = v[0];
     offset_ = v[1];
   }
   static c10::DeviceType device_type() { return kTpu; }
 
+  // A launch's draw (runtime::DrawRngState): no flush (it is the flush's).
+  std::array<uint64_t, 2> Draw(uint64_t increment) {
+    std::lock_guard<std::mutex> lock(state_mutex_);
+    std::array<uint64_t, 2> state{seed_, offset_};
+    offset_ += increment;
+    return state;
+  }
+
  private:
   TpuGeneratorImpl* clone_impl() const override {
+    runtime::FlushPendingWork();
     auto* g = new TpuGeneratorImpl(device().index());
+    std::lock_guard<std::mutex> lock(state_mutex_);
     g->seed_ = seed_;
     g->offset_ = offset_;
     return g;
   }
+  mutable std::mutex state_mutex_;
   uint64_t seed_ = kDefaultSeed;
   uint64_t offset_ = 0;
 };
+
+std::array<uint64_t, 2> DrawFromTpuGenerator(c10::GeneratorImpl& gen, uint64_t increment) {
+  auto* tpu = dynamic_cast<TpuGeneratorImpl*>(&gen);
+  TORCH_CHECK(tpu != nullptr, "tpu: a random op's generator is not a tpu generator (device ", gen.device().str(), ")");
+  return tpu->Draw(increment);
+}
+
+[[maybe_unused]] const bool draw_hook_set = (runtime::SetRngDrawHook(&DrawFromTpuGenerator), true);
 
 }  // namespace
 

@@ -3289,19 +3289,13 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
       else
         gen = at::globalContext().defaultGenerator(
             c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(li.device_index)));
-      uint64_t state[2];
-      {
-        std::lock_guard<std::mutex> lock(gen.mutex());
-        state[0] = gen.current_seed();
-        state[1] = gen.get_offset();
-        const int64_t increment =
-            s.rng_numel_of < 0
-                ? s.rng_increment
-                : lowering::LoweringContext::RngIncrementOf(TensorOf(arg_of, s.call, s.rng_numel_of, -1).numel());
-        gen.set_offset(state[1] + static_cast<uint64_t>(increment));
-      }
+      const int64_t increment =
+          s.rng_numel_of < 0
+              ? s.rng_increment
+              : lowering::LoweringContext::RngIncrementOf(TensorOf(arg_of, s.call, s.rng_numel_of, -1).numel());
+      const std::array<uint64_t, 2> state = DrawRngState(gen, static_cast<uint64_t>(increment));
       int64_t dims[] = {2};
-      li.temps.push_back(rt.Upload(state, hlo::ElementType::kU64, dims, li.device_index));
+      li.temps.push_back(rt.Upload(state.data(), hlo::ElementType::kU64, dims, li.device_index));
       li.buffers[i] = li.temps.back().get();
     }
   }

@@ -637,15 +637,10 @@ std::vector<at::Tensor> GraphProgram::Launch(const std::vector<at::Tensor>& inpu
     }
     at::Generator gen = at::globalContext().defaultGenerator(
         c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_index)));
-    uint64_t state[2];
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      state[0] = gen.current_seed();
-      state[1] = gen.get_offset();
-      gen.set_offset(state[1] + static_cast<uint64_t>(rng_increments_[static_cast<size_t>(slot.index)]));
-    }
+    const std::array<uint64_t, 2> state =
+        DrawRngState(gen, static_cast<uint64_t>(rng_increments_[static_cast<size_t>(slot.index)]));
     int64_t dims[] = {2};
-    temps.push_back(rt.Upload(state, hlo::ElementType::kU64, dims, device_index));
+    temps.push_back(rt.Upload(state.data(), hlo::ElementType::kU64, dims, device_index));
     args[p] = temps.back().get();
   }
 

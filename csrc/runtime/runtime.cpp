@@ -180,6 +180,24 @@ void FlushPendingWork() {
   if (flush_hook) flush_hook();
 }
 
+namespace {
+std::atomic<std::array<uint64_t, 2> (*)(c10::GeneratorImpl&, uint64_t)> rng_draw_hook{nullptr};
+}  // namespace
+
+void SetRngDrawHook(std::array<uint64_t, 2> (*hook)(c10::GeneratorImpl& gen, uint64_t increment)) {
+  rng_draw_hook.store(hook, std::memory_order_release);
+}
+
+std::array<uint64_t, 2> DrawRngState(at::Generator gen, uint64_t increment) {
+  if (auto* hook = rng_draw_hook.load(std::memory_order_acquire);
+      hook && gen.device().type() == c10::DeviceType::PrivateUse1)
+    return hook(*gen.unsafeGetGeneratorImpl(), increment);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  std::array<uint64_t, 2> state{gen.current_seed(), gen.get_offset()};
+  gen.set_offset(state[1] + increment);
+  return state;
+}
+
 int64_t Capacity(int64_t numel) {
   if (numel <= 0) return 0;
   if (numel <= 16) return 16;

@@ -2,6 +2,7 @@
 // and in-flight execution tracking shared by every executor.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include <mutex>
 #include <string>
 
+#include <ATen/core/Generator.h>
 #include <ATen/record_function.h>
 
 #include "hlo/builder.h"
@@ -238,6 +240,17 @@ uint64_t SyncCount();
 // (an optimizer step writing a parameter) without making it pending.
 bool HasPendingWork();
 void SetPendingWork(bool recorded);
+
+// A launch's random state from tpu generator `gen`: its (seed, offset),
+// the offset then advanced by `increment` (values drawn, counted as
+// LoweringContext::RngIncrementOf). The tpu generator (aten/generator.cpp)
+// sets the hook: it draws under its own lock, not gen.mutex(), because its
+// state accessors flush the recorded fused region first (whose launches
+// draw here) while PyTorch's callers hold gen.mutex() (THPGenerator's
+// get_state). Without a hook (or for another generator) the draw takes
+// gen.mutex().
+std::array<uint64_t, 2> DrawRngState(at::Generator gen, uint64_t increment);
+void SetRngDrawHook(std::array<uint64_t, 2> (*hook)(c10::GeneratorImpl& gen, uint64_t increment));
 
 class Runtime {
  public:

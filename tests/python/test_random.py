@@ -255,6 +255,79 @@ def test_dropout_reproducible_under_seed():
     assert torch.equal(a, b)
 
 
+# --- generator state while a fused region is recorded -----------------------------
+
+def _offset(state):
+    return state[8:].view(torch.int64).item()
+
+
+def _state_sequence():
+    """Random calls between reads and writes of the generator's state, no sync point in
+    between: what each draws, and the offsets read."""
+    torch.tpu.manual_seed(7)
+    a = torch.rand(24, device=TPU)
+    state = torch.tpu.get_rng_state()
+    b = torch.nn.functional.dropout(torch.ones(40, device=TPU), 0.5)
+    torch.tpu.set_rng_state(state)
+    c = torch.nn.functional.dropout(torch.ones(40, device=TPU), 0.5)
+    offset_c = _offset(torch.tpu.get_rng_state())
+    torch.tpu.manual_seed(7)
+    d = torch.rand(24, device=TPU)
+    return [_offset(state), offset_c], [t.cpu() for t in (a, b, c, d)]
+
+
+def test_rng_state_accounts_for_recorded_draws():
+    """Fused mode records random calls, which draw their (seed, offset) when the region
+    runs; reading or writing the generator's state (get/set_rng_state, manual_seed) runs the
+    region first, so the state holds every draw made before it, as in strict mode and on
+    CUDA. Before: the offset read after a recorded rand was 0, restoring that state and
+    drawing again gave another dropout mask, and a manual_seed after a recorded call
+    changed its values. Both modes draw the same values (exact), and offsets advance by the
+    element count (24; 40 -> 64)."""
+    with torch_tpu.eager_mode("strict"):
+        strict_offsets, strict_values = _state_sequence()
+    with torch_tpu.eager_mode("fused"):
+        fused_offsets, fused_values = _state_sequence()
+    assert strict_offsets == [24, 64]
+    assert fused_offsets == strict_offsets
+    a, b, c, d = fused_values
+    assert torch.equal(b, c) and torch.equal(a, d)
+    for got, want in zip(fused_values, strict_values):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_checkpoint_recompute_draws_the_forward_dropout_mask(mode):
+    """torch.utils.checkpoint saves the tpu RNG state before the forward and restores it for
+    the recompute in backward (torch.tpu.get/set_rng_state), where torch.tpu._initialized
+    is true (it was missing: no mode restored the state). In fused mode the forward's
+    dropout was also still recorded when the state was restored. Either way the recompute
+    drew another mask: gradients silently differed from the same step without
+    checkpointing. Compared: the same seeded step with and without checkpoint; float32
+    within 1e-6."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16).to(TPU)
+    x_cpu = torch.randn(8, 16)
+
+    def block(x):
+        return torch.nn.functional.dropout(lin(x).relu(), 0.5, training=True) * 3
+
+    results = []
+    with torch_tpu.eager_mode(mode):
+        for use_checkpoint in (False, True):
+            lin.zero_grad(set_to_none=True)
+            x = x_cpu.to(TPU).requires_grad_()
+            torch.tpu.manual_seed(11)
+            y = checkpoint(block, x, use_reentrant=False) if use_checkpoint else block(x)
+            (y * y).sum().backward()
+            results.append([y.detach().cpu(), x.grad.cpu(), lin.weight.grad.cpu()])
+    for plain, ckpt in zip(*results):
+        torch.testing.assert_close(ckpt, plain, rtol=1e-6, atol=1e-6)
+    assert (results[0][0] == 0).any() and (results[0][0] != 0).any()  # dropout dropped some
+
+
 # --- multinomial ------------------------------------------------------------------
 
 @pytest.mark.parametrize("replacement", [True, False])
