@@ -413,21 +413,28 @@ WorkPtr Make(int rank, OpType type, std::vector<WorkPtr> works, Staging staging)
 
 bool ProcessGroupTPU::zero_copy() const { return pool_->zero_copy; }
 
-ProcessGroupTPU::ProcessGroupTPU(c10::intrusive_ptr<c10d::Backend> host, int rank, int size,
-                                 std::chrono::milliseconds timeout)
-    : Backend(rank, size), host_(std::move(host)), timeout_(timeout) {
+void ProcessGroupTPU::CheckSettings() {
   const char* zero_copy = std::getenv("TORCH_TPU_DIST_ZERO_COPY");
   const std::string zc = zero_copy ? zero_copy : "";
   TORCH_CHECK(zc.empty() || zc == "0" || zc == "1", "tpu_dist: TORCH_TPU_DIST_ZERO_COPY must be '0' or '1', got '", zc,
               "'");
-  pool_ = std::make_shared<StagingPool>(zc != "0");
+  const char* env = std::getenv("TORCH_TPU_DIST_TRANSPORT");
+  const std::string setting = env ? env : "";
+  TORCH_CHECK(setting.empty() || setting == "host" || setting == "xla",
+              "tpu_dist: TORCH_TPU_DIST_TRANSPORT must be 'host' or 'xla', got '", setting, "'");
+}
+
+ProcessGroupTPU::ProcessGroupTPU(c10::intrusive_ptr<c10d::Backend> host, int rank, int size,
+                                 std::chrono::milliseconds timeout)
+    : Backend(rank, size), host_(std::move(host)), timeout_(timeout) {
+  CheckSettings();
+  const char* zero_copy = std::getenv("TORCH_TPU_DIST_ZERO_COPY");
+  pool_ = std::make_shared<StagingPool>(!(zero_copy && std::string(zero_copy) == "0"));
   TORCH_CHECK(host_, "tpu_dist: the host (gloo) backend is missing");
   TORCH_CHECK(host_->getRank() == rank && host_->getSize() == size, "tpu_dist: the host backend is rank ",
               host_->getRank(), " of ", host_->getSize(), ", this group rank ", rank, " of ", size);
   const char* env = std::getenv("TORCH_TPU_DIST_TRANSPORT");
   const std::string setting = env ? env : "";
-  TORCH_CHECK(setting.empty() || setting == "host" || setting == "xla",
-              "tpu_dist: TORCH_TPU_DIST_TRANSPORT must be 'host' or 'xla', got '", setting, "'");
   // Only a client that already exists is asked: a group of cpu tensors
   // alone must not start the device runtime (unless XLA-native is asked for).
   if (setting == "xla" || runtime::Runtime::Initialized()) {

@@ -59,6 +59,15 @@ class ProcessGroupTPU : public c10d::Backend {
   ProcessGroupTPU(c10::intrusive_ptr<c10d::Backend> host, int rank, int size,
                   std::chrono::milliseconds timeout);
 
+  // Validates the group settings read from the environment
+  // (TORCH_TPU_DIST_ZERO_COPY: '0' or '1'; TORCH_TPU_DIST_TRANSPORT: 'host'
+  // or 'xla'); throws c10::Error naming the variable and its value. The
+  // constructor calls it; the Python creator calls it before it builds the
+  // gloo host backend, so a bad value fails every rank at once instead of
+  // one rank closing its gloo connections while a peer still connects
+  // ("Connection closed by peer").
+  static void CheckSettings();
+
   const std::string getBackendName() const override { return "tpu_dist"; }
   // The transport tpu tensors take: "host-staged" (default, every plugin)
   // or "xla-native" (TORCH_TPU_DIST_TRANSPORT=xla: all_reduce, broadcast,

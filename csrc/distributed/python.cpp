@@ -23,6 +23,9 @@ void Bind(py::module& parent) {
            }),
            py::arg("host"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            "ProcessGroupTPU(host: gloo Backend over the same ranks, rank, size, timeout: timedelta)")
+      .def_static("check_settings", &ProcessGroupTPU::CheckSettings,
+                  "raises RuntimeError naming TORCH_TPU_DIST_ZERO_COPY / TORCH_TPU_DIST_TRANSPORT when its value "
+                  "is not one the backend accepts (called before the gloo host backend is built)")
       .def_property_readonly("host", &ProcessGroupTPU::host, "the internal gloo backend (host-staged transport)")
       .def_property_readonly("transport", &ProcessGroupTPU::transport, "the transport collectives take: 'host-staged'")
       .def_property_readonly("xla_native_usable", &ProcessGroupTPU::xla_native_usable,

@@ -38,6 +38,10 @@ def create_backend(store, rank: int, size: int, timeout: datetime.timedelta):
 
     from .. import _C
 
+    # Settings first: raised before gloo connects, every rank fails alike
+    # (after connecting, one rank's error closed its connections while a
+    # peer still connected: "Connection closed by peer" there).
+    _C._distributed.ProcessGroupTPU.check_settings()
     host = ProcessGroupGloo(PrefixStore("tpu_dist_host/", store), rank, size, timeout)
     return _C._distributed.ProcessGroupTPU(host, rank, size, timeout)
 
