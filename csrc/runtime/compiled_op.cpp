@@ -37,6 +37,13 @@
 #include "runtime/disk_cache.h"
 
 namespace torch_tpu::runtime {
+
+int64_t StorageNumel(const at::Tensor& t) {
+  auto& s = StorageOf(t);
+  if (s.initialized()) return s.current().numel;
+  return Capacity(static_cast<int64_t>(s.nbytes() / ElementSize(lowering::ToElementType(t.scalar_type()))));
+}
+
 namespace {
 
 using lowering::LoweredArg;
@@ -82,13 +89,6 @@ hlo::ElementType CpuScalarElement(const at::Tensor& t, bool has_f64) {
 hlo::ElementType StorageElement(const at::Tensor& t) {
   auto& s = StorageOf(t);
   return s.initialized() ? s.current().element : lowering::ToElementType(t.scalar_type());
-}
-// Elements of the storage's buffer (its capacity; Materialize makes that
-// many for a never-written one).
-int64_t StorageNumel(const at::Tensor& t) {
-  auto& s = StorageOf(t);
-  if (s.initialized()) return s.current().numel;
-  return Capacity(static_cast<int64_t>(s.nbytes() / ElementSize(lowering::ToElementType(t.scalar_type()))));
 }
 
 bool IsScalarTypeArg(const c10::TypePtr& t) {

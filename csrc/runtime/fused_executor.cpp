@@ -100,7 +100,7 @@ hlo::Value ReadWholeStorage(ProgramBuilder& pb, const at::Tensor& t, const Input
   for (auto& known : pb.storages)
     if (known.storage == s) st = &known;
   if (!st) {
-    pb.storages.push_back({s, use, element, Capacity(t.numel()), std::nullopt, std::nullopt});
+    pb.storages.push_back({s, use, element, StorageNumel(t), std::nullopt, std::nullopt});
     st = &pb.storages.back();
   }
   hlo::Value flat;
@@ -115,11 +115,11 @@ hlo::Value ReadWholeStorage(ProgramBuilder& pb, const at::Tensor& t, const Input
       InputSlot slot = st->first_use;
       slot.kind = InputSlot::Kind::kStorage;
       slot.element = st->element;
-      // The buffer the parameter declares: the launch resizes a storage
-      // whose buffer has another capacity (GatherInputs), as for an ATen
-      // call's read (ProgramBuilder::ReadFlat). The key holds only the
-      // storage's number, and its buffer may be swapped after the call was
-      // recorded: a flush (a loop boundary or the size bound in
+      // The buffer the parameter declares (the one the storage has, as an
+      // ATen call's read declares it: ProgramBuilder::StateFor; the graph
+      // call's key holds its size): the launch resizes a storage whose
+      // buffer has another capacity by then (GatherInputs). A flush after
+      // the call was recorded (a loop boundary or the size bound in
       // RecordGraph, the calls before a partial flush) may run the calls
       // writing it op by op, and a bucket program leaves its canonical
       // buffer there (more elements; the MLP of test_compile_train:
@@ -557,13 +557,18 @@ class FusedExecutor {
   }
 
   // A graph call's key atoms: the graph's uid (which determines its
-  // program, inputs and outputs), each input's storage number (inputs are
-  // whole storages of the graph's types: FeedsAsIs), which donations write
+  // program, inputs and outputs), each input's storage number and buffer
+  // size (inputs are whole storages of the graph's types: FeedsAsIs; the
+  // buffer, a bucket program's canonical one or the exact one, is what the
+  // region's parameter declares: ReadWholeStorage), which donations write
   // in place. Its created storages follow, as for an ATen call.
   static void AppendGraphKey(const RecordedCall& rc, std::vector<int64_t>& key, StorageIds& ids) {
     key.push_back(kGraphCallAtom);
     key.push_back(static_cast<int64_t>(rc.graph->uid()));
-    for (const auto& v : rc.args) key.push_back(ids.Id(&StorageOf(v.toTensor())));
+    for (const auto& v : rc.args) {
+      key.push_back(ids.Id(&StorageOf(v.toTensor())));
+      key.push_back(StorageNumel(v.toTensor()));
+    }
     for (bool a : rc.applied) key.push_back(a ? 1 : 0);
   }
 

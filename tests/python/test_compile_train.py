@@ -177,12 +177,14 @@ def test_graph_input_whose_buffer_a_bucket_program_swapped_after_recording(tmp_p
     flushed (op by op: its program compiles in the background) after f's check, and the
     graph's region key (graph uid, storage numbers) matched a program declared for the
     exact buffer. 512: [mul_, graph] is one region run op by op, and the graph's launch
-    refused x. Now a buffer of another capacity is fed resized to the declared one. mul_
+    refused x. Now a graph call's key holds its inputs' buffer sizes (keyed after the
+    flush), the region's parameter declares that buffer (a launch finding another resizes
+    it), and the graph's own launch resizes a buffer of another capacity. mul_
     has a compiled bucket-16 program on [n, 8] (two exact lengths, then 12). Values equal
     CPU's exactly (x * 2 + 1 rounds once). An empty cache directory: a region program
     found on disk compiles at once, and the mul_ region would then not run op by op."""
     code = """
-import sys, torch, torch_tpu
+import torch, torch_tpu
 def same(a, b):
     torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0)
 f = torch.compile(lambda a: a * 2 + 1, backend="tpu")
@@ -206,11 +208,15 @@ x.mul_(3.0)  # run op by op after f's FeedsAsIs: x gets the bucket program's [16
 y = f(x)
 same(y, x_cpu * 3.0 * 2 + 1)
 same(x, x_cpu * 3.0)
-if sys.argv[1] == "1":  # the graph's region ran as its compiled program
-    assert torch_tpu.metrics()["fused_regions"] > regions
+for _ in range(3):  # x keeps the bucket's buffer: the graph's region for it, compiled, equals CPU too
+    y = f(x)
+    torch.tpu.synchronize()
+    torch_tpu.metrics()
+same(y, x_cpu * 3.0 * 2 + 1)
+assert torch_tpu.metrics()["fused_regions"] > regions
 print("ok")
 """
-    r = subprocess.run([sys.executable, "-c", code, max_ops], capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "TORCH_TPU_FUSED_MAX_OPS": max_ops, "TORCH_TPU_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().endswith("ok")
