@@ -210,8 +210,11 @@ def get_eager_mode() -> str:
 def eager_mode(mode: str):
     """``with torch_tpu.eager_mode("debug"): ...`` — the mode inside the block."""
     previous = get_eager_mode()
-    set_eager_mode(mode)
     try:
+        # Inside the try: switching runs the recorded region, and if that
+        # raises the block's mode is already set (runtime::SetMode): the
+        # finally restores the previous one.
+        set_eager_mode(mode)
         yield
     finally:
         set_eager_mode(previous)

@@ -38,19 +38,25 @@ struct TpuGeneratorImpl final : c10::GeneratorImpl {
 
   void set_current_seed(uint64_t seed) override {
     runtime::FlushPendingWork();
-    std::lock_guard<std::mutex> lock(state_mutex_);
-    seed_ = seed;
-    offset_ = 0;
+    SeedUnflushed(seed);
   }
+  // The seed only (recorded draws move the offset, never the seed): no flush.
   uint64_t current_seed() const override {
-    runtime::FlushPendingWork();
     std::lock_guard<std::mutex> lock(state_mutex_);
     return seed_;
   }
   uint64_t seed() override {
-    set_current_seed(c10::detail::getNonDeterministicRandom(true));
+    const uint64_t seed = c10::detail::getNonDeterministicRandom(true);
+    set_current_seed(seed);
+    return seed;
+  }
+  // Seeds a generator nothing has drawn from yet (DefaultGenerator, as it
+  // creates them): running the recorded region here would ask for the
+  // default generator being created (a deadlock in std::call_once).
+  void SeedUnflushed(uint64_t seed) {
     std::lock_guard<std::mutex> lock(state_mutex_);
-    return seed_;
+    seed_ = seed;
+    offset_ = 0;
   }
   void set_offset(uint64_t offset) override {
     runtime::FlushPendingWork();
@@ -134,7 +140,7 @@ const at::Generator& DefaultGenerator(c10::DeviceIndex index) {
     std::lock_guard<std::mutex> lock(pending_mutex);
     for (c10::DeviceIndex i = 0; i < n; ++i) {
       generators.push_back(at::make_generator<TpuGeneratorImpl>(i));
-      if (have_pending_seed) generators.back().set_current_seed(pending_seed);
+      if (have_pending_seed) generators.back().get<TpuGeneratorImpl>()->SeedUnflushed(pending_seed);
     }
   });
   if (index < 0) index = CurrentDevice();

@@ -193,6 +193,14 @@ PYBIND11_MODULE(_C, m) {
     auto& s = torch_tpu::runtime::StorageOf(t);
     return s.initialized() ? std::string(torch_tpu::hlo::MlirName(s.current().element)) : std::string();
   });
+  // Elements of the buffer the tpu tensor's storage holds now (its
+  // capacity: runtime::Capacity(numel) for an exact buffer, more for a
+  // bucket program's canonical one); -1 when it has none yet. For tests
+  // that need a storage in a bucket buffer.
+  m.def("_storage_buffer_numel", [](const at::Tensor& t) -> int64_t {
+    auto& s = torch_tpu::runtime::StorageOf(t);
+    return s.initialized() ? s.current().numel : -1;
+  });
   BindGraphProgram(m);
   torch_tpu::distributed::Bind(m);
 }

@@ -634,13 +634,13 @@ class OpCache {
 
 OpCache& GlobalOpCache();
 
-// Appends the key atoms of a call to `atoms`, numbering storages with
-// `storage_ids` (shared across the calls of a fused region).
 // Elements of the buffer `t`'s storage has (its capacity; Materialize makes
 // that many for a never-written one): what a program reading the whole
 // storage declares, and what a call's key holds.
 int64_t StorageNumel(const at::Tensor& t);
 
+// Appends the key atoms of a call to `atoms`, numbering storages with
+// `storage_ids` (shared across the calls of a fused region).
 struct StorageIds {
   std::vector<const DeviceStorage*> seen;
   int64_t Id(const DeviceStorage* s);

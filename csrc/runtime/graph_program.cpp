@@ -590,10 +590,10 @@ std::vector<at::Tensor> GraphProgram::Launch(const std::vector<at::Tensor>& inpu
   // The graph runs after every call recorded before it: a fused region (or
   // strict mode's calls deferred between graphs) may still hold writes to
   // these inputs (an optimizer step updating the parameters in place) or
-  // the values of pending ones. Flushed first, so that FeedsAsIs below reads
-  // the buffers the storages will have at the launch (read before the
-  // flush, a storage the flush then rewrote, with another buffer size, was
-  // fed as it was: PJRT "expected parameter 7 of size 104 but got buffer
+  // the values of pending ones. Flushed first, so that the buffers read
+  // below are the ones the storages will have at the launch (a buffer of
+  // another size than the program declares is resized there: PJRT
+  // rejected one with "expected parameter 7 of size 104 but got buffer
   // with incompatible size 320"), and again after the clones (fused mode
   // records them), so no flush happens in the middle of the loop below: it
   // could replace (and donate) a buffer already collected (torch.compile

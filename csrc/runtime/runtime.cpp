@@ -189,9 +189,13 @@ void SetRngDrawHook(std::array<uint64_t, 2> (*hook)(c10::GeneratorImpl& gen, uin
 }
 
 std::array<uint64_t, 2> DrawRngState(at::Generator gen, uint64_t increment) {
-  if (auto* hook = rng_draw_hook.load(std::memory_order_acquire);
-      hook && gen.device().type() == c10::DeviceType::PrivateUse1)
+  auto* hook = rng_draw_hook.load(std::memory_order_acquire);
+  if (gen.device().type() == c10::DeviceType::PrivateUse1) {
+    // The tpu generator's accessors run the recorded region: never called
+    // from a launch (it may be that region's).
+    TORCH_CHECK(hook != nullptr, "tpu: no random draw hook is set for the tpu generator");
     return hook(*gen.unsafeGetGeneratorImpl(), increment);
+  }
   std::lock_guard<std::mutex> lock(gen.mutex());
   std::array<uint64_t, 2> state{gen.current_seed(), gen.get_offset()};
   gen.set_offset(state[1] + increment);

@@ -247,8 +247,8 @@ void SetPendingWork(bool recorded);
 // sets the hook: it draws under its own lock, not gen.mutex(), because its
 // state accessors flush the recorded fused region first (whose launches
 // draw here) while PyTorch's callers hold gen.mutex() (THPGenerator's
-// get_state). Without a hook (or for another generator) the draw takes
-// gen.mutex().
+// get_state). A tpu generator without the hook set raises; another
+// device's generator is drawn from under gen.mutex().
 std::array<uint64_t, 2> DrawRngState(at::Generator gen, uint64_t increment);
 void SetRngDrawHook(std::array<uint64_t, 2> (*hook)(c10::GeneratorImpl& gen, uint64_t increment));
 

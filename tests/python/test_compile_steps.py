@@ -240,6 +240,8 @@ with torch.no_grad():
     for p in model.parameters():
         p.mul_(1.0)  # [10, 64] and [10] take the bucket's canonical buffer
 torch_tpu.metrics()
+assert torch_tpu._C._storage_buffer_numel(model[5].weight) == 16 * 64
+assert torch_tpu._C._storage_buffer_numel(model[5].bias) == 16
 batch = T._mlp_batch()
 f = torch.compile(model, backend="tpu")
 kwargs = {{"fused": True}} if {optimizer!r} == "fused" else {{}}

@@ -207,6 +207,7 @@ torch_tpu.set_eager_mode("fused")
 x.mul_(3.0)  # run op by op after f's FeedsAsIs: x gets the bucket program's [16, 8] buffer
 y = f(x)
 same(y, x_cpu * 3.0 * 2 + 1)
+assert torch_tpu._C._storage_buffer_numel(x) == 16 * 8, torch_tpu._C._storage_buffer_numel(x)
 same(x, x_cpu * 3.0)
 for _ in range(3):  # x keeps the bucket's buffer: the graph's region for it, compiled, equals CPU too
     y = f(x)

@@ -28,7 +28,8 @@ def test_set_and_context_manager():
 def test_context_manager_restores_the_mode_when_the_flush_raises(tmp_path):
     """Leaving ``eager_mode("fused")`` flushes the recorded region; when that raises the
     error propagates AND the previous mode is back (CI, session 24: a region that failed
-    left the process in fused mode and five later tests failed). Here the region's first
+    left the process in fused mode and five later tests failed); entering a block whose
+    switch raises leaves the mode from before the block. Here the region's first
     run is op by op (its program compiles in the background: a fresh process and an empty
     cache directory, so no program serves it yet) and CPU's index_select kernel raises on
     the out-of-range index, as CPU PyTorch does."""
@@ -42,6 +43,14 @@ with pytest.raises(IndexError, match="index out of range"):
         assert torch_tpu._C._fused_region_size() == 1
 assert torch_tpu.get_eager_mode() == "strict", torch_tpu.get_eager_mode()
 assert (x[:3] + 1).cpu().tolist() == [1.0, 2.0, 3.0]
+# Entering a block: the flush of the switch raises, the mode before the block is back.
+torch_tpu.set_eager_mode("fused")
+torch.index_select(torch.arange(11.0).to("tpu"), 0, bad)  # another key: runs op by op too
+with pytest.raises(IndexError, match="index out of range"):
+    with torch_tpu.eager_mode("debug"):
+        pass
+assert torch_tpu.get_eager_mode() == "fused", torch_tpu.get_eager_mode()
+torch_tpu.set_eager_mode("strict")
 print("ok")
 """
     r = run_python(code, env={"TORCH_TPU_CACHE_DIR": str(tmp_path)})

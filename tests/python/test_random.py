@@ -266,6 +266,7 @@ def _state_sequence():
     between: what each draws, and the offsets read."""
     torch.tpu.manual_seed(7)
     a = torch.rand(24, device=TPU)
+    recorded = torch_tpu._C._fused_region_size()  # fused mode: the draw is recorded, not run
     state = torch.tpu.get_rng_state()
     b = torch.nn.functional.dropout(torch.ones(40, device=TPU), 0.5)
     torch.tpu.set_rng_state(state)
@@ -273,7 +274,7 @@ def _state_sequence():
     offset_c = _offset(torch.tpu.get_rng_state())
     torch.tpu.manual_seed(7)
     d = torch.rand(24, device=TPU)
-    return [_offset(state), offset_c], [t.cpu() for t in (a, b, c, d)]
+    return [_offset(state), offset_c], [t.cpu() for t in (a, b, c, d)], recorded
 
 
 def test_rng_state_accounts_for_recorded_draws():
@@ -285,15 +286,41 @@ def test_rng_state_accounts_for_recorded_draws():
     changed its values. Both modes draw the same values (exact), and offsets advance by the
     element count (24; 40 -> 64)."""
     with torch_tpu.eager_mode("strict"):
-        strict_offsets, strict_values = _state_sequence()
+        strict_offsets, strict_values, _ = _state_sequence()
     with torch_tpu.eager_mode("fused"):
-        fused_offsets, fused_values = _state_sequence()
+        fused_offsets, fused_values, recorded = _state_sequence()
+    assert recorded >= 1  # the state read had a recorded draw to run first
     assert strict_offsets == [24, 64]
     assert fused_offsets == strict_offsets
     a, b, c, d = fused_values
     assert torch.equal(b, c) and torch.equal(a, d)
     for got, want in zip(fused_values, strict_values):
         assert torch.equal(got, want)
+
+
+def test_state_read_after_a_seed_before_the_runtime_with_a_recorded_draw():
+    """torch.manual_seed before the runtime exists keeps the seed for the default generators'
+    creation; that creation happens at the first random call, and a state read (here after
+    a recorded rand, fused mode) ran the region from inside it: a deadlock (review, session
+    25). Fresh process, bounded by a timeout; the values equal strict mode's for the seed."""
+    import os
+    import subprocess
+    import sys
+    code = """
+import torch, torch_tpu
+torch.manual_seed(5)
+torch_tpu.set_eager_mode("fused")
+a = torch.rand(8, device="tpu")
+state = torch.tpu.get_rng_state()
+print(state[8:].view(torch.int64).item())
+torch_tpu.set_eager_mode("strict")
+torch.manual_seed(5)
+print(torch.equal(a.cpu(), torch.rand(8, device="tpu").cpu()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["8", "True"], out.stdout
 
 
 @pytest.mark.parametrize("mode", ["strict", "fused"])
