@@ -32,12 +32,19 @@ constexpr uint64_t kDefaultSeed = 67280421310721ULL;  // CUDA's default seed
 // before it. Draws take the generator's own lock, not at::Generator's
 // mutex(): PyTorch holds that one around get_state() (THPGenerator), and
 // the flush draws on the same thread.
+// Runs the recorded region, if any (a passed-through or empty one draws
+// nothing later: no executor lock, no sync-point bookkeeping; DTensor's
+// RNG tracker reads and writes the state around every random op).
+void RunRecordedDraws() {
+  if (runtime::HasPendingWork()) runtime::FlushPendingWork();
+}
+
 struct TpuGeneratorImpl final : c10::GeneratorImpl {
   explicit TpuGeneratorImpl(c10::DeviceIndex index)
       : c10::GeneratorImpl(c10::Device(kTpu, index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)) {}
 
   void set_current_seed(uint64_t seed) override {
-    runtime::FlushPendingWork();
+    RunRecordedDraws();
     SeedUnflushed(seed);
   }
   // The seed only (recorded draws move the offset, never the seed): no flush.
@@ -59,19 +66,19 @@ struct TpuGeneratorImpl final : c10::GeneratorImpl {
     offset_ = 0;
   }
   void set_offset(uint64_t offset) override {
-    runtime::FlushPendingWork();
+    RunRecordedDraws();
     std::lock_guard<std::mutex> lock(state_mutex_);
     offset_ = offset;
   }
   uint64_t get_offset() const override {
-    runtime::FlushPendingWork();
+    RunRecordedDraws();
     std::lock_guard<std::mutex> lock(state_mutex_);
     return offset_;
   }
 
   // State: 16 bytes, seed then offset (uint8 CPU tensor, as CUDA's).
   c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
-    runtime::FlushPendingWork();
+    RunRecordedDraws();
     auto state = at::empty({16}, at::TensorOptions().dtype(at::kByte));
     uint64_t v[2];
     {
@@ -87,7 +94,7 @@ struct TpuGeneratorImpl final : c10::GeneratorImpl {
                 "tpu RNG state must be a uint8 tensor of 16 bytes, got ", new_state.numel(), " elements");
     uint64_t v[2];
     std::memcpy(v, new_state.data(), sizeof(v));
-    runtime::FlushPendingWork();
+    RunRecordedDraws();
     std::lock_guard<std::mutex> lock(state_mutex_);
     seed_ = v[0];
     offset_ = v[1];
@@ -104,7 +111,7 @@ struct TpuGeneratorImpl final : c10::GeneratorImpl {
 
  private:
   TpuGeneratorImpl* clone_impl() const override {
-    runtime::FlushPendingWork();
+    RunRecordedDraws();
     auto* g = new TpuGeneratorImpl(device().index());
     std::lock_guard<std::mutex> lock(state_mutex_);
     g->seed_ = seed_;

@@ -413,34 +413,34 @@ WorkPtr Make(int rank, OpType type, std::vector<WorkPtr> works, Staging staging)
 
 bool ProcessGroupTPU::zero_copy() const { return pool_->zero_copy; }
 
-void ProcessGroupTPU::CheckSettings() {
+ProcessGroupTPU::Settings ProcessGroupTPU::ReadSettings() {
   const char* zero_copy = std::getenv("TORCH_TPU_DIST_ZERO_COPY");
   const std::string zc = zero_copy ? zero_copy : "";
   TORCH_CHECK(zc.empty() || zc == "0" || zc == "1", "tpu_dist: TORCH_TPU_DIST_ZERO_COPY must be '0' or '1', got '", zc,
               "'");
   const char* env = std::getenv("TORCH_TPU_DIST_TRANSPORT");
-  const std::string setting = env ? env : "";
-  TORCH_CHECK(setting.empty() || setting == "host" || setting == "xla",
-              "tpu_dist: TORCH_TPU_DIST_TRANSPORT must be 'host' or 'xla', got '", setting, "'");
+  const std::string transport = env ? env : "";
+  TORCH_CHECK(transport.empty() || transport == "host" || transport == "xla",
+              "tpu_dist: TORCH_TPU_DIST_TRANSPORT must be 'host' or 'xla', got '", transport, "'");
+  return Settings{zc != "0", transport == "xla"};
 }
+
+void ProcessGroupTPU::CheckSettings() { ReadSettings(); }
 
 ProcessGroupTPU::ProcessGroupTPU(c10::intrusive_ptr<c10d::Backend> host, int rank, int size,
                                  std::chrono::milliseconds timeout)
     : Backend(rank, size), host_(std::move(host)), timeout_(timeout) {
-  CheckSettings();
-  const char* zero_copy = std::getenv("TORCH_TPU_DIST_ZERO_COPY");
-  pool_ = std::make_shared<StagingPool>(!(zero_copy && std::string(zero_copy) == "0"));
+  const Settings settings = ReadSettings();
+  pool_ = std::make_shared<StagingPool>(settings.zero_copy);
   TORCH_CHECK(host_, "tpu_dist: the host (gloo) backend is missing");
   TORCH_CHECK(host_->getRank() == rank && host_->getSize() == size, "tpu_dist: the host backend is rank ",
               host_->getRank(), " of ", host_->getSize(), ", this group rank ", rank, " of ", size);
-  const char* env = std::getenv("TORCH_TPU_DIST_TRANSPORT");
-  const std::string setting = env ? env : "";
   // Only a client that already exists is asked: a group of cpu tensors
   // alone must not start the device runtime (unless XLA-native is asked for).
-  if (setting == "xla" || runtime::Runtime::Initialized()) {
+  if (settings.xla_transport || runtime::Runtime::Initialized()) {
     xla_native_usable_ = XlaTransport::UsableFor(runtime::Runtime::Get().client(), size);
   }
-  if (setting != "xla") return;
+  if (!settings.xla_transport) return;
   runtime::Runtime& rt = runtime::Runtime::Get();
   pjrt::Client& client = rt.client();
   TORCH_CHECK(xla_native_usable_ || size == 1, "tpu_dist: TORCH_TPU_DIST_TRANSPORT=xla needs a PJRT client that spans ",

@@ -143,6 +143,13 @@ class ProcessGroupTPU : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override;
 
  private:
+  // The environment's settings, validated (CheckSettings).
+  struct Settings {
+    bool zero_copy;      // TORCH_TPU_DIST_ZERO_COPY is not '0'
+    bool xla_transport;  // TORCH_TPU_DIST_TRANSPORT=xla
+  };
+  static Settings ReadSettings();
+
   c10::intrusive_ptr<c10d::Backend> host_;
   std::chrono::milliseconds timeout_;
   // XLA-native path (null: host-staged only). Runs `spec` (its kind,

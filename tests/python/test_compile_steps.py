@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 
 import pytest
@@ -45,6 +44,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch_tpu
 from torch_tpu import _dynamo as tpu_dynamo
+
+from conftest import run_python
 
 TPU = torch.device("tpu")
 MODES = ["strict", "debug", "fused"]
@@ -268,8 +269,7 @@ torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e
 assert counts[3:] == [0] * 5, counts
 print("ok", counts)
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "TORCH_TPU_CACHE_DIR": str(tmp_path)})
+    r = run_python(code, env={"TORCH_TPU_CACHE_DIR": str(tmp_path)}, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().startswith("ok"), r.stdout
 

@@ -19,9 +19,6 @@ steps).
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,6 +26,8 @@ import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 import torch_tpu
+
+from conftest import run_python
 
 TPU = torch.device("tpu")
 MODES = ["strict", "debug", "fused"]
@@ -217,7 +216,7 @@ same(y, x_cpu * 3.0 * 2 + 1)
 assert torch_tpu.metrics()["fused_regions"] > regions
 print("ok")
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "TORCH_TPU_FUSED_MAX_OPS": max_ops, "TORCH_TPU_CACHE_DIR": str(tmp_path)})
+    r = run_python(code, env={"TORCH_TPU_FUSED_MAX_OPS": max_ops, "TORCH_TPU_CACHE_DIR": str(tmp_path)},
+                   timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().endswith("ok")
