@@ -1291,8 +1291,12 @@ void RegisterLoweredOpsDirectly() {
   // that would otherwise run first: for structured ops those compute the
   // meta result and allocate the output on every call, then call the out=
   // variant. Ops with a CompositeImplicitAutograd kernel keep it (their
-  // autograd comes from the decomposition), and copy_ keeps PyTorch's kernel
-  // (it routes host<->device copies to _copy_from).
+  // autograd comes from the decomposition) unless CPU registers a kernel of
+  // its own (silu_backward, mish_backward, native_channel_shuffle: CPU runs
+  // its kernel, autograd comes from the op's derivative formula, and the
+  // decomposition is for backends without one; through it an integer
+  // silu_backward returned floats on tpu where CPU raises), and copy_
+  // keeps PyTorch's kernel (it routes host<->device copies to _copy_from).
   static torch::Library* library = nullptr;
   if (library) return;
   library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
@@ -1309,7 +1313,8 @@ void RegisterLoweredOpsDirectly() {
       returns_view |= r.alias_info() != nullptr && !r.alias_info()->isWrite();
     if (returns_view) continue;
     if (handle->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
-        handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
+        (handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+         !handle->hasKernelForDispatchKey(c10::DispatchKey::CPU)))
       continue;
     std::string qualified = name.name.substr(6);
     if (!name.overload_name.empty()) qualified += "." + name.overload_name;

@@ -637,6 +637,47 @@ def test_backward_ops(name, dtype):
     run_both(BACKWARD_OPS[name], g, x)
 
 
+@pytest.mark.parametrize("name", sorted(BACKWARD_OPS))
+def test_backward_ops_of_integers_raise_as_on_cpu(name):
+    """CPU's backward kernels of these activations are floating-point only:
+    integer arguments raise there, so they raise on tpu too, with CPU's
+    message. silu_backward returned floats on tpu before (PyTorch's
+    CompositeImplicitAutograd decomposition, meant for backends without a
+    kernel of their own, ran instead of our lowering, where CPU runs its
+    kernel); where CPU gives a value, tpu gives CPU's."""
+    g = make(torch.int64, (4, 6))
+    x = make(torch.int64, (4, 6))
+    try:
+        expected = BACKWARD_OPS[name](g, x)
+    except RuntimeError as e:
+        message = str(e).splitlines()[0]
+        with pytest.raises(RuntimeError) as info:
+            BACKWARD_OPS[name](tpu(g), tpu(x)).cpu()
+        assert str(info.value).splitlines()[0] == message
+        return
+    # Defined on CPU (threshold_backward; sigmoid/tanh_backward of an
+    # integer gradient and the float sigmoid/tanh of x): CPU's values.
+    actual = BACKWARD_OPS[name](tpu(g), tpu(x))
+    assert actual.dtype == expected.dtype
+    check(actual, expected)
+
+
+def test_silu_double_backward_matches_cpu():
+    """silu_backward runs our lowering (registered for the tpu key as CPU
+    registers its kernel), and its own derivative comes from PyTorch's
+    formula for it: second derivatives of silu equal CPU's (float32, rtol
+    1e-5, atol 1e-6)."""
+    x0 = make(torch.float32, (4, 5), -3, 3)
+    grads = []
+    for dev in ("cpu", TPU):
+        x = x0.clone().to(dev).requires_grad_()
+        (g1,) = torch.autograd.grad(torch.nn.functional.silu(x).sum(), x, create_graph=True)
+        (g2,) = torch.autograd.grad((g1 * g1).sum(), x)
+        grads.append((g1.detach().cpu(), g2.cpu()))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-5, atol=1e-6)
+
+
 AUTOGRAD = {
     "gelu": torch.nn.functional.gelu,
     "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
