@@ -394,7 +394,10 @@ constexpr int64_t kHostFirstBurst = 4;
 // single-op compile: the region's program runs those calls from its next
 // occurrence on, and a single-op compile queued now would finish after it
 // anyway (the compile thread is FIFO). Calls that do not qualify for
-// host-first serving compile as before; with N = 1 nothing changes.
+// host-first serving compile as before; with N = 1 nothing changes. And a
+// bucket program's read of a storage pads it into a copy of the launch's
+// own instead of leaving the canonical buffer in the storage (GatherInputs):
+// the region's key holds the storage's buffer, which its program declares.
 class HostFirstDeferScope {
  public:
   explicit HostFirstDeferScope(bool on);

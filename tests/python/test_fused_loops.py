@@ -716,3 +716,51 @@ def test_churning_region_with_a_graph_call_in_the_middle(pass_through):
                    env={"TORCH_TPU_CACHE_DIR": "", "TORCH_TPU_FUSED_PASS_THROUGH": pass_through})
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
     assert json.loads(r.stdout.strip().splitlines()[-1])["err"] <= 1e-5, r.stdout
+
+
+BUCKET_READ_WHILE_COMPILING = r"""
+import json, torch, torch_tpu
+# mul.Tensor gets a bucket program over [n, 64] (two exact programs, then the bucket-16 one)
+for n in (20, 24, 12, 12):
+    (torch.ones(n, 64).to("tpu") * 2.0).cpu()
+    torch_tpu.metrics()
+# The setup: a [10, 64] read by mul in strict mode takes the bucket's canonical buffer (16 x 64)
+Z = torch.randn(10, 64).to("tpu")
+(Z * 2.0).cpu()
+setup = torch_tpu._C._storage_buffer_numel(Z)
+x = torch.randn(10, 64)
+X = x.to("tpu")
+before = torch_tpu._C._storage_buffer_numel(X)
+def counts():
+    m = torch_tpu.metrics()
+    return [m["fused_regions"], m["fused_regions_op_by_op"], m["compiles"]]
+sights, err = [], 0.0
+with torch_tpu.eager_mode("fused"):
+    for _ in range(4):
+        c0 = counts()
+        got = ((X * 2.0 + 1.0).tanh() * 0.5).cpu()
+        sights.append([b - a for a, b in zip(c0, counts())])
+        err = max(err, (got - (x * 2.0 + 1.0).tanh() * 0.5).abs().max().item())
+print(json.dumps({"sights": sights, "buffers": [setup, before, torch_tpu._C._storage_buffer_numel(X)], "err": err}))
+"""
+
+
+def test_region_input_keeps_its_buffer_while_the_region_compiles(tmp_path):
+    """A new region runs op by op while its program compiles in the
+    background; one of its calls (X * 2.0, [10, 64]) is served by a bucket
+    program ([16, 64]) that reads X through the bucket's canonical buffer.
+    That read used to leave the canonical buffer in X's storage, so the
+    region's next sight was another key (X's buffer is part of it): compiled
+    a second time and run op by op again ([[0, 1, 1], [0, 1, 1], [1, 0, 0],
+    ...] before). The read is now this launch's own while the region's
+    program compiles (HostFirstDeferScope): X keeps its 640-element buffer
+    and the second sight runs the program. Values equal CPU (float32, 1e-6).
+    Fresh process, empty cache directory."""
+    import json
+
+    r = run_python(BUCKET_READ_WHILE_COMPILING, env={"TORCH_TPU_CACHE_DIR": str(tmp_path)}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["err"] <= 1e-6, out
+    assert out["buffers"] == [1024, 640, 640], out  # the setup's swap; X keeps its buffer
+    assert out["sights"] == [[0, 1, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0]], out
