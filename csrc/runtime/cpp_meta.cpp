@@ -88,6 +88,7 @@
 #include <ATen/ops/hypot_meta_dispatch.h>
 #include <ATen/ops/i0_meta_dispatch.h>
 #include <ATen/ops/leaky_relu_meta_dispatch.h>
+#include <ATen/ops/linalg_vector_norm_meta_dispatch.h>
 #include <ATen/ops/lgamma_meta_dispatch.h>
 #include <ATen/ops/logaddexp_meta_dispatch.h>
 #include <ATen/ops/logaddexp2_meta_dispatch.h>
@@ -466,6 +467,40 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
        }},
       // isnan: ATen's kernel is self != self.
       {"aten::isnan", [](Stack& s) { return Ret(s, at::meta::ne(T(s, 0), T(s, 0))); }},
+      // Session 26 (each imported torch._dynamo at a fresh process's first call).
+      // floor_divide: CPU's kernel is a binary TensorIterator op running
+      // div_floor (aten/src/ATen/native/BinaryOps.cpp), as div's "floor" mode;
+      // the .Scalar overload wraps its operand. Bool operands decline (the
+      // Python meta kernel's checks stand there).
+      {"aten::floor_divide",
+       [](Stack& s) {
+         if (T(s, 0).scalar_type() == at::kBool || T(s, 1).scalar_type() == at::kBool) return false;
+         return Ret(s, at::meta::div(T(s, 0), T(s, 1), "floor"));
+       }},
+      {"aten::floor_divide.Scalar",
+       [](Stack& s) {
+         if (T(s, 0).scalar_type() == at::kBool || S(s, 1).isBoolean()) return false;
+         return Ret(s, at::meta::div(T(s, 0), Wrapped(s, 1), "floor"));
+       }},
+      // abs_ of a real, non-bool tensor (as Abs); complex (CPU raises: in-place
+      // abs of a complex tensor) and bool decline.
+      {"aten::abs_",
+       [](Stack& s) {
+         at::Tensor self = T(s, 0);
+         if (self.is_complex() || self.scalar_type() == at::kBool) return false;
+         at::meta::sign_(self);
+         return Ret(s, self);
+       }},
+      // linalg_vector_norm(self, ord, dim?, keepdim, *, dtype?): structured
+      // (CPU's meta step, its dtype checks included); torch.norm and
+      // Tensor.norm reach it.
+      {"aten::linalg_vector_norm",
+       [](Stack& s) {
+         std::optional<std::vector<int64_t>> dim;
+         if (!s[2].isNone()) dim = s[2].toIntVector();
+         at::OptionalIntArrayRef ref = dim ? at::OptionalIntArrayRef(*dim) : at::OptionalIntArrayRef(std::nullopt);
+         return Ret(s, at::meta::linalg_vector_norm(T(s, 0), S(s, 1), ref, s[3].toBool(), Dtype(s, 4)));
+       }},
       {"aten::bmm", BINARY(bmm)},
       {"aten::mm", BINARY(mm)},
       {"aten::addmm",

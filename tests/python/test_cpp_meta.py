@@ -194,6 +194,18 @@ def _cases():
         ("round_", lambda t: (t["f"] * 3).round_()),
         ("trunc_", lambda t: (t["f"] * 3).trunc_()),
         ("expm1_", lambda t: t["ft"].clone().expm1_()),
+        # Session 26: floor_divide, abs_, linalg_vector_norm.
+        ("floor_divide int", lambda t: torch.floor_divide(t["i"], t["i"].abs() + 1)),
+        ("floor_divide broadcast", lambda t: torch.floor_divide(t["ft"], t["row"])),
+        ("floor_divide int//float", lambda t: t["i"] // (t["f"].abs() + 0.5)),
+        ("floor_divide.Scalar", lambda t: torch.ops.aten.floor_divide.Scalar(t["i"], 2.5)),
+        ("floor_divide.Scalar int", lambda t: torch.ops.aten.floor_divide.Scalar(t["i"], 3)),
+        ("abs_", lambda t: t["ft"].clone().abs_()),
+        ("abs_ int", lambda t: t["i"].clone().abs_()),
+        ("linalg_vector_norm dim", lambda t: torch.linalg.vector_norm(t["ft"], 2, dim=1)),
+        ("linalg_vector_norm inf keepdim", lambda t: torch.linalg.vector_norm(t["f"], float("inf"), dim=(0,), keepdim=True)),
+        ("linalg_vector_norm dtype", lambda t: torch.linalg.vector_norm(t["f"], 1, dtype=torch.float64)),
+        ("norm", lambda t: t["h"].norm()),
     ], {"f": f, "i": i, "b": b, "ft": ft, "row": row, "h": h}
 
 
@@ -278,7 +290,8 @@ print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
 
 
 # Session 24's table ops (each imported torch._dynamo on a fresh process's
-# first call): activations, losses, pointwise math, in-place unary ops.
+# first call): activations, losses, pointwise math, in-place unary ops; and
+# session 26's (floor_divide, abs_, norm).
 NO_DYNAMO_IMPORT_MORE = r"""
 import json, sys, torch, torch_tpu
 import torch.nn.functional as F
@@ -291,7 +304,8 @@ r = [torch.atan(x), torch.tan(x), torch.atan2(x, y), torch.fmod(x, y), torch.rem
      torch.logaddexp(x, y), torch.xlogy(x.abs(), y.abs()), torch.copysign(x, y), torch.fmax(x, y), torch.lgamma(x.abs()),
      F.softplus(x), F.elu(x), F.leaky_relu(x), F.mish(x), F.hardsigmoid(x), F.mse_loss(x, y), F.cross_entropy(x, t),
      x.clamp(min=y), 1 - x, 2 ** x, x.mean(), x.isnan(), x.cumprod(1), x.clone().sigmoid_(), x.clone().exp_(),
-     x.clone().clamp_(0, 1), (x > 0) ^ (y > 0)]
+     x.clone().clamp_(0, 1), (x > 0) ^ (y > 0), torch.floor_divide(x, y), x.clone().abs_(), x.norm(),
+     torch.linalg.vector_norm(x, 1, dim=1)]
 for v in r:
     v.cpu()
 print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
