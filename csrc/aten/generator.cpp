@@ -22,16 +22,6 @@ namespace {
 
 constexpr uint64_t kDefaultSeed = 67280421310721ULL;  // CUDA's default seed
 
-// Its state accessors (the seed, the offset, get/set_state) flush the
-// recorded fused region first: the region's random calls draw when it runs
-// (DrawRngState at the launch), so without the flush a state read in fused
-// mode missed them (torch.tpu.get_rng_state() after a dropout: the offset
-// before it, and restoring that state replayed the same mask; a
-// torch.utils.checkpoint recompute drew other values than the forward) and
-// a state written (manual_seed, set_rng_state) changed draws recorded
-// before it. Draws take the generator's own lock, not at::Generator's
-// mutex(): PyTorch holds that one around get_state() (THPGenerator), and
-// the flush draws on the same thread.
 // Runs the recorded region, if any (a passed-through or empty one draws
 // nothing later: no executor lock, no sync-point bookkeeping; DTensor's
 // RNG tracker reads and writes the state around every random op).
@@ -39,6 +29,16 @@ void RunRecordedDraws() {
   if (runtime::HasPendingWork()) runtime::FlushPendingWork();
 }
 
+// Its state accessors (setting the seed, the offset, get/set_state, clone)
+// run the recorded fused region first: the region's random calls draw when
+// it runs (DrawRngState at the launch), so without that a state read in
+// fused mode missed them (torch.tpu.get_rng_state() after a dropout: the
+// offset before it, and restoring that state replayed the same mask; a
+// torch.utils.checkpoint recompute drew other values than the forward) and
+// a state written (manual_seed, set_rng_state) changed draws recorded
+// before it. Draws take the generator's own lock, not at::Generator's
+// mutex(): PyTorch holds that one around get_state() (THPGenerator), and
+// the flush draws on the same thread.
 struct TpuGeneratorImpl final : c10::GeneratorImpl {
   explicit TpuGeneratorImpl(c10::DeviceIndex index)
       : c10::GeneratorImpl(c10::Device(kTpu, index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)) {}

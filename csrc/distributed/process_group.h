@@ -62,10 +62,10 @@ class ProcessGroupTPU : public c10d::Backend {
   // Validates the group settings read from the environment
   // (TORCH_TPU_DIST_ZERO_COPY: '0' or '1'; TORCH_TPU_DIST_TRANSPORT: 'host'
   // or 'xla'); throws c10::Error naming the variable and its value. The
-  // constructor calls it; the Python creator calls it before it builds the
-  // gloo host backend, so a bad value fails every rank at once instead of
-  // one rank closing its gloo connections while a peer still connects
-  // ("Connection closed by peer").
+  // constructor reads them the same way (ReadSettings); the Python creator
+  // calls this before it builds the gloo host backend, so a bad value fails
+  // every rank at once instead of one rank closing its gloo connections
+  // while a peer still connects ("Connection closed by peer").
   static void CheckSettings();
 
   const std::string getBackendName() const override { return "tpu_dist"; }

@@ -3245,12 +3245,12 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
       // contents resized to it. For a poly read (its canonical buffer) the
       // storage keeps the new buffer where it holds all its elements (the
       // next read hits); otherwise (a prefix view of a longer storage, or a
-      // buffer swapped since the call was keyed) it is this launch's. So it
-      // is under a HostFirstDeferScope (a fused region's calls run one by
-      // one while its program compiles, or a region of a compiling key
-      // passed through): the storage keeps the buffer the region's key
-      // holds and its program declares, else the program's next sight is
-      // a new key (compiled again, run op by op again).
+      // buffer swapped since the call was keyed) it is this launch's. It is
+      // the launch's under a HostFirstDeferScope too (a fused region's calls
+      // run one by one while its program compiles, or a region of a
+      // compiling key passed through): the storage keeps the buffer the
+      // region's key holds and its program declares, else the program's
+      // next sight is a new key (compiled again, run op by op again).
       StorageBuffer resized = ResizeStorageBuffer(*current, s.numel, t.device().index());
       if (s.canonical && !host_first_deferred &&
           static_cast<size_t>(s.numel) * ElementSize(s.element) >= storage.nbytes()) {
