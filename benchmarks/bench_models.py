@@ -14,7 +14,8 @@ steps are written as users write them: the model compiled, the loss
 (foreach on tpu) and zero_grad(). Prints milliseconds per call (median of
 --iters after --warmup calls), the ratio to CPU eager (lower is faster) and
 device programs per call (torch_tpu.metrics()["executions"], averaged over
-the timed calls).
+the timed calls); --split adds, for (b) on tpu, the host's time per step,
+the sync's wait after it and each phase's programs run alone.
 (d) a fresh process's time to the first result of the compiled encoder and
 of the compiled MLP training step with an empty vs a warm cache, with the
 executable cache only and with the compile cache above Dynamo too (the
@@ -124,7 +125,9 @@ def _train_step(model, forward, inputs, target):
     return step
 
 
-def mlp_step_factory(config):
+def _mlp(config):
+    """(b)'s model (compiled per `config`), inputs and targets, on the
+    configuration's device."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
                                 torch.nn.GELU(), torch.nn.Linear(512, 10))
@@ -132,7 +135,88 @@ def mlp_step_factory(config):
     model = model.to(device)
     x = torch.randn(64, 256).to(device)
     y = torch.randint(0, 10, (64,)).to(device)
-    return _train_step(model, _compiled(config, model), x, y), device
+    return model, _compiled(config, model), x, y, device
+
+
+def mlp_step_factory(config):
+    model, forward, x, y, device = _mlp(config)
+    return _train_step(model, forward, x, y), device
+
+
+SPLIT_CONFIGS = ["tpu strict", "tpu fused", "tpu compile", "tpu compile + fused mode"]
+
+
+def split_b(args):
+    """(b) on tpu, where a step's time goes, per configuration (one built
+    after the other in this process, --iters x 10 steps each after
+    --warmup): the host's time until the step returns and the wait in the
+    sync after it (medians); then the same step with a sync after each
+    phase, so that each phase's programs run alone: the forward, the loss
+    and its backward, the optimizer (wall time of each phase's call and of
+    its sync, medians). The phase syncs sum the device time of the step's
+    programs without overlap with the host."""
+    print("\n## (b) where the MLP step's time goes (host until the step returns, then the sync; "
+          "phases synced one by one)\n")
+    print("| configuration | host (ms) | sync wait (ms) | step (ms) | forward call / sync | loss + backward call / sync "
+          "| optimizer call / sync | phase syncs sum (ms) | programs per step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    n = args.iters * 10
+    sync = torch.tpu.synchronize
+    clock = time.perf_counter
+    for config in SPLIT_CONFIGS:
+        mode = "fused" if config == "tpu fused" or config.endswith("fused mode") else "strict"
+        with torch_tpu.eager_mode(mode):
+            model, forward, x, y, _ = _mlp(config)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            held = []
+
+            def step():
+                opt.zero_grad()
+                loss = torch.nn.functional.cross_entropy(forward(x), y)
+                loss.backward()
+                opt.step()
+                return loss
+
+            for _ in range(args.warmup):
+                held = step()
+                sync()
+            host, wait, total = [], [], []
+            executions = torch_tpu.metrics()["executions"]
+            for _ in range(n):
+                t0 = clock()
+                held = step()
+                t1 = clock()
+                sync()
+                t2 = clock()
+                host.append((t1 - t0) * 1e3)
+                wait.append((t2 - t1) * 1e3)
+                total.append((t2 - t0) * 1e3)
+            programs = (torch_tpu.metrics()["executions"] - executions) / n
+            phases = [[] for _ in range(6)]
+            for _ in range(n):
+                opt.zero_grad()
+                sync()
+                marks = [clock()]
+                out = forward(x)
+                marks.append(clock())
+                sync()
+                marks.append(clock())
+                loss = torch.nn.functional.cross_entropy(out, y)
+                loss.backward()
+                marks.append(clock())
+                sync()
+                marks.append(clock())
+                opt.step()
+                marks.append(clock())
+                sync()
+                marks.append(clock())
+                for i in range(6):
+                    phases[i].append((marks[i + 1] - marks[i]) * 1e3)
+            del held
+        med = [statistics.median(p) for p in phases]
+        print(f"| {config} | {statistics.median(host):.2f} | {statistics.median(wait):.2f} "
+              f"| {statistics.median(total):.2f} | {med[0]:.2f} / {med[1]:.2f} | {med[2]:.2f} / {med[3]:.2f} "
+              f"| {med[4]:.2f} / {med[5]:.2f} | {med[1] + med[3] + med[5]:.2f} | {programs:g} |", flush=True)
 
 
 def finetune_factory(config, model_cpu, batch_cpu):
@@ -329,6 +413,9 @@ def main():
                    help="(d): rounds of an empty then a warm process per cache variant, interleaved")
     p.add_argument("--compare-deferral", action="store_true",
                    help="also time tpu compile in strict mode with the deferral between graphs off")
+    p.add_argument("--split", action="store_true",
+                   help="(b): also print where the tpu configurations' step time goes (host, sync wait, and "
+                        "each phase's programs run alone)")
     args = p.parse_args()
     args.skip = [s.strip() for s in args.skip.split(",") if s.strip()]
     print(f"torch {torch.__version__}; {torch.tpu.get_device_name()}; {os.cpu_count()} CPU cores; "
@@ -343,6 +430,8 @@ def main():
         else:
             measure("(b) MLP training step (256-512-512-10, batch 64, AdamW)", mlp_step_factory, args,
                     args.iters * 10)
+        if args.split:
+            split_b(args)
     if "c" in only:
         _, model_cpu = _minilm.load(_minilm.model_dir())
         g = torch.Generator().manual_seed(0)
