@@ -1177,6 +1177,17 @@ void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
+// `t`'s memory (`nbytes` uploaded from its data pointer) as a
+// StorageBuffer::host owner: the tensor itself, kept alive (UploadStorage's
+// `keep`; for host tensors nothing writes any more). Null — the upload
+// copies — where the tensor's storage is larger than those bytes (a view
+// into a bigger allocation would keep all of it alive).
+std::shared_ptr<const void> KeepAlive(const at::Tensor& t, size_t nbytes) {
+  if (t.storage_offset() != 0 || t.storage().nbytes() > nbytes + 64) return nullptr;
+  auto held = std::make_shared<const at::Tensor>(t);
+  return std::shared_ptr<const void>(held, held->const_data_ptr());
+}
+
 bool ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle& op, torch::jit::Stack& stack,
                  size_t num_args) {
   auto& rt = runtime::Runtime::Get();
@@ -1261,8 +1272,11 @@ bool ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle&
     const std::vector<int64_t> strides = runtime::OutputStrides(o, sizes);
     at::Tensor host = strides.empty() ? result.contiguous()
                                       : at::empty_strided(sizes, strides, result.options()).copy_(result);
-    auto sb = rt.UploadStorage(host.data_ptr(), static_cast<size_t>(host.numel()) * host.element_size(), o.element,
-                               device_index, producer, o.numel);
+    // The result's memory is the upload's host copy (StorageBuffer::host):
+    // no second copy of it; nothing else holds this tensor.
+    const size_t nbytes = static_cast<size_t>(host.numel()) * host.element_size();
+    auto sb = rt.UploadStorage(host.data_ptr(), nbytes, o.element, device_index, producer, o.numel,
+                               KeepAlive(host, nbytes));
     returns[r] = runtime::WrapBuffer(std::move(sb), sizes, o.dtype, device_index, strides);
   }
   for (const auto& o : compiled.outputs) {
@@ -1272,8 +1286,11 @@ bool ServeOnHost(const runtime::CompiledOp& compiled, const c10::OperatorHandle&
     runtime::DeviceStorage* ds = &runtime::StorageOf(t);
     const at::Tensor& bytes = mirrors.BytesOf(ds);
     const size_t esize = runtime::ElementSize(o.element);
-    ds->Set(rt.UploadStorage(bytes.data_ptr(), ds->nbytes() / esize * esize, o.element, device_index, producer,
-                             o.numel));
+    // The mirror is this call's private copy (HostMirrors): its memory is
+    // handed over as the upload's host copy.
+    const size_t nbytes = ds->nbytes() / esize * esize;
+    ds->Set(rt.UploadStorage(bytes.data_ptr(), nbytes, o.element, device_index, producer, o.numel,
+                             KeepAlive(bytes, nbytes)));
   }
   rt.metrics().host_served++;
   stack.erase(stack.begin() + static_cast<std::ptrdiff_t>(first), stack.end());

@@ -174,7 +174,7 @@ struct Staging {
       runtime::DeviceStorage& storage = runtime::StorageOf(d.tensor);
       if (!storage.pending() && storage.current().buffer == d.buffer) {
         runtime::StorageBuffer written = storage.current();
-        written.host.reset();  // the host copy of an upload: the bytes it had before the collective
+        written.host = {};  // the host copy of an upload: the bytes it had before the collective
         storage.Set(std::move(written));
       } else {
         d.tensor.copy_(d.host);

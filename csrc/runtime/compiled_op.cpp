@@ -3138,11 +3138,11 @@ StorageBuffer ResizeStorageBuffer(const StorageBuffer& sb, int64_t numel, int de
   static std::set<Key> compiling;  // queued on the background compile thread
   auto& rt = Runtime::Get();
   const Key key = std::make_tuple(static_cast<int>(sb.element), sb.numel, numel);
-  if (sb.host) {  // the contents as uploaded: upload them again at the new size, no program
-    const size_t keep = std::min(sb.host->size(), static_cast<size_t>(numel) * ElementSize(sb.element));
-    StorageBuffer out = rt.UploadStorage(sb.host->data(), keep, sb.element, device_index, sb.producer, numel);
+  if (sb.host.owner) {  // the contents as uploaded: upload them again at the new size, no program
+    const size_t keep = std::min(sb.host.size, static_cast<size_t>(numel) * ElementSize(sb.element));
+    StorageBuffer out = rt.UploadStorage(sb.host.data, keep, sb.element, device_index, sb.producer, numel);
     out.checks = sb.checks;
-    out.host = nullptr;  // a program reads it now (GatherInputs)
+    out.host = {};  // a program reads it now (GatherInputs)
     return out;
   }
   std::shared_ptr<pjrt::Executable> exe;
@@ -3239,7 +3239,7 @@ LaunchInputs GatherInputs(const std::vector<InputSlot>& inputs, const ArgResolve
     if (device_index < 0) device_index = t.device().index();
     DeviceStorage& storage = StorageOf(t);
     const StorageBuffer* current = &storage.Materialize(s.element, poisoned_ok, s.canonical ? s.numel : -1);
-    if (current->host && (s.numel < 0 || current->numel == s.numel)) storage.DropHostShadow();
+    if (current->host.owner && (s.numel < 0 || current->numel == s.numel)) storage.DropHostShadow();
     if (s.numel >= 0 && current->numel != s.numel) {
       // The buffer the program declares (InputSlot::numel): the storage's
       // contents resized to it. For a poly read (its canonical buffer) the

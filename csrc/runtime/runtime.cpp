@@ -322,7 +322,7 @@ std::shared_ptr<pjrt::Buffer> Runtime::Upload(const void* data, hlo::ElementType
 }
 
 StorageBuffer Runtime::UploadStorage(const void* data, size_t nbytes, hlo::ElementType element, int device_index,
-                                     std::string producer, int64_t buffer_numel) {
+                                     std::string producer, int64_t buffer_numel, std::shared_ptr<const void> keep) {
   const size_t esize = ElementSize(element);
   const int64_t numel = static_cast<int64_t>(nbytes / esize);
   if (buffer_numel >= 0 && buffer_numel < numel)
@@ -345,9 +345,16 @@ StorageBuffer Runtime::UploadStorage(const void* data, size_t nbytes, hlo::Eleme
     metrics_.host_to_device_bytes -= (capacity - numel) * static_cast<int64_t>(esize);  // padding: not data
   }
   StorageBuffer sb{std::move(buffer), element, capacity, std::move(producer)};
-  if (nbytes <= kHostShadowMaxBytes)
-    sb.host = std::make_shared<const std::vector<char>>(static_cast<const char*>(data),
-                                                         static_cast<const char*>(data) + numel * esize);
+  if (nbytes <= kHostShadowMaxBytes) {
+    const size_t stored = static_cast<size_t>(numel) * esize;
+    if (keep) {
+      sb.host = {std::move(keep), static_cast<const char*>(data), stored};
+    } else {
+      auto copy = std::make_shared<const std::vector<char>>(static_cast<const char*>(data),
+                                                            static_cast<const char*>(data) + stored);
+      sb.host = {copy, copy->data(), stored};
+    }
+  }
   return sb;
 }
 
@@ -369,10 +376,12 @@ bool Runtime::OverwriteInPlace(StorageBuffer& buffer, const void* data, size_t n
   if (!buffer.buffer->FromHostInPlace(data, nbytes)) return false;
   metrics_.host_to_device_bytes += static_cast<int64_t>(nbytes);
   buffer.checks.clear();  // new contents from the host: no check guards them
-  buffer.host = nbytes <= kHostShadowMaxBytes
-                    ? std::make_shared<const std::vector<char>>(static_cast<const char*>(data),
-                                                                static_cast<const char*>(data) + nbytes)
-                    : nullptr;
+  buffer.host = {};
+  if (nbytes <= kHostShadowMaxBytes) {
+    auto copy = std::make_shared<const std::vector<char>>(static_cast<const char*>(data),
+                                                          static_cast<const char*>(data) + nbytes);
+    buffer.host = {copy, copy->data(), nbytes};
+  }
   return true;
 }
 
@@ -399,9 +408,9 @@ size_t kept_contents_bytes = 0;
 HostContents HostContentsOf(DeviceStorage& storage) {
   const StorageBuffer& cur = storage.Materialize(storage.current().element);
   const size_t stored = std::min(static_cast<size_t>(cur.numel) * ElementSize(cur.element), storage.nbytes());
-  if (cur.host && cur.host->size() >= stored) {
+  if (cur.host.owner && cur.host.size >= stored) {
     if (!cur.checks.empty()) RaiseIfPoisoned(cur.checks, /*resolve=*/true);  // as Download
-    return {cur.host, cur.host->data(), stored};
+    return {cur.host.owner, cur.host.data, stored};
   }
   const uint64_t id = storage.write_id();
   {

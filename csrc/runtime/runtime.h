@@ -76,6 +76,16 @@ struct CheckState {
 };
 using CheckList = std::vector<std::shared_ptr<CheckState>>;
 
+// A storage's current contents on the host, read-only and shared: its
+// first `size` bytes (the storage's bytes, nbytes() at most, without the
+// buffer's capacity padding; fewer where the buffer holds fewer) at
+// `data`, alive while `owner` is.
+struct HostContents {
+  std::shared_ptr<const void> owner;
+  const char* data = nullptr;
+  size_t size = 0;
+};
+
 // A device buffer holding the whole contents of one storage: rank 1,
 // `numel` elements of `element` — the buffer's own element count, at least
 // the storage's (nbytes / element size): Capacity() of it for every buffer
@@ -93,15 +103,19 @@ struct StorageBuffer {
   std::string producer;
   CheckList checks;
   // The storage's bytes as a host upload gave them (Runtime::UploadStorage
-  // of at most kHostShadowMaxBytes; null otherwise), kept until a program
-  // first reads the buffer (DeviceStorage::DropHostShadow, GatherInputs):
-  // a bucket program that needs the buffer at another size uploads it again
-  // from here instead of compiling a resize program per (size, size) pair
-  // (ResizeStorageBuffer). Always the same bytes as the buffer's first
-  // ones: every write replaces the StorageBuffer (DeviceStorage::Set), sets
-  // it anew (Runtime::OverwriteInPlace) or drops it (a zero-copy collective
-  // writing the buffer's memory, csrc/distributed/process_group.cpp Direct).
-  std::shared_ptr<const std::vector<char>> host;
+  // of at most kHostShadowMaxBytes; no owner otherwise), kept until a
+  // program first reads the buffer (DeviceStorage::DropHostShadow,
+  // GatherInputs): host-served calls read them instead of downloading
+  // (HostContentsOf), and a bucket program that needs the buffer at another
+  // size uploads it again from here instead of compiling a resize program
+  // per (size, size) pair (ResizeStorageBuffer). A copy of the uploaded
+  // bytes, or the uploaded memory itself where the uploader hands it over
+  // (UploadStorage's `keep`: a host-served call's result). Always the same
+  // bytes as the buffer's first ones: every write replaces the
+  // StorageBuffer (DeviceStorage::Set), sets it anew
+  // (Runtime::OverwriteInPlace) or drops it (a zero-copy collective writing
+  // the buffer's memory, csrc/distributed/process_group.cpp Direct).
+  HostContents host;
 };
 // Host uploads up to this size keep StorageBuffer::host (1 MiB).
 constexpr size_t kHostShadowMaxBytes = size_t{1} << 20;
@@ -151,7 +165,7 @@ class DeviceStorage {
   }
   // Frees the host copy of the contents (StorageBuffer::host): a program
   // reads the buffer as it is. The contents are unchanged (no new write_id).
-  void DropHostShadow() { current_.host.reset(); }
+  void DropHostShadow() { current_.host = {}; }
   // Changes with every Set/MarkPending and is never the same for two
   // writes of any storages in the process, so a host copy keyed on it
   // (element reads, csrc/aten/kernels.cpp) is never stale — also when the
@@ -183,15 +197,6 @@ class DeviceStorage {
   uint64_t write_id_ = 0;
 };
 
-// A storage's current contents on the host, read-only and shared: its
-// first `size` bytes (the storage's bytes, nbytes() at most, without the
-// buffer's capacity padding; fewer where the buffer holds fewer) at
-// `data`, alive while `owner` is.
-struct HostContents {
-  std::shared_ptr<const void> owner;
-  const char* data = nullptr;
-  size_t size = 0;
-};
 // The contents of `storage` as its element type stores them, for reads on
 // the host (a host-served call's or CPU fallback's read-only arguments,
 // csrc/aten/fallback.cpp HostMirrors; element reads, kernels.cpp), without
@@ -274,9 +279,13 @@ class Runtime {
   // staged on the host only when there is any). Counts `nbytes` as
   // transferred.
   // `numel` >= 0: a buffer of exactly that many elements instead (at least
-  // nbytes / element size; what a program's output slot has).
+  // nbytes / element size; what a program's output slot has). Up to
+  // kHostShadowMaxBytes, the bytes are kept as StorageBuffer::host: copied,
+  // or, where `keep` is given, `data` itself, kept alive by `keep` — the
+  // caller hands that memory over and nothing may write it any more (a
+  // host-served call's result, csrc/aten/fallback.cpp ServeOnHost).
   StorageBuffer UploadStorage(const void* data, size_t nbytes, hlo::ElementType element, int device_index,
-                              std::string producer, int64_t numel = -1);
+                              std::string producer, int64_t numel = -1, std::shared_ptr<const void> keep = nullptr);
   // Host data (dense, row-major) -> a new device buffer.
   std::shared_ptr<pjrt::Buffer> Upload(const void* data, hlo::ElementType element,
                                        std::span<const int64_t> dims, int device_index);

@@ -561,6 +561,44 @@ def test_host_served_views_of_one_storage_share_one_host_copy():
         assert r[phase]["d2h"] == r["nbytes"], r
 
 
+SHADOW_CHAIN = r"""
+g = torch.Generator().manual_seed(0)
+xc = torch.randn(8, 33, generator=g)
+X = xc.to("tpu")
+def chain(x):
+    a = x + 1
+    b = a * 3
+    a.mul_(2)          # in place: the call's private host copy of a becomes a's host copy
+    c = a + b          # reads a's new contents and b's, both from their host copies
+    d = b.t() * 0.5    # a transposed read
+    e = torch.cat([a, b]).sum(0)
+    return a, b, c, d, e
+torch.tpu.synchronize()
+m0 = torch_tpu.metrics()
+got = chain(X)
+m1 = torch_tpu.metrics()
+want = chain(xc)
+out["host_served"] = m1["host_served"] - m0["host_served"]
+out["executions"] = m1["executions"] - m0["executions"]
+out["d2h"] = m1["device_to_host_bytes"] - m0["device_to_host_bytes"]
+out["equal"] = [torch.equal(g_.cpu(), w) for g_, w in zip(got, want)]
+out["strides"] = [list(g_.stride()) == list(w.stride()) for g_, w in zip(got, want)]
+"""
+
+
+def test_host_served_results_are_read_from_their_host_copy():
+    """A host-served call's result keeps its bytes on the host as the
+    upload's copy (StorageBuffer::host: the CPU kernel's result itself, not a
+    second copy of it), and the next host-served calls read them from there:
+    a chain of new-shape calls, one of them in place, moves nothing back
+    from the device and gives CPU's values exactly (each call is CPU's
+    kernel) and CPU's strides."""
+    r = run(SHADOW_CHAIN, {"TORCH_TPU_SHAPE_POLY": "0"})
+    assert r["executions"] == 0 and r["host_served"] == 7, r  # add, mul, mul_, add, mul, cat, sum
+    assert r["d2h"] == 0, r
+    assert all(r["equal"]) and all(r["strides"]), r
+
+
 def test_call_whose_cpu_results_differ_runs_the_program():
     """embedding_bag's CPU kernel returns offset2bag as Long[0] where the
     program (the meta kernel) gives Long[n]: the host-first call declines
