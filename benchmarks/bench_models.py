@@ -113,7 +113,8 @@ def _compiled(config, model):
 
 
 def _train_step(model, forward, inputs, target):
-    """One training step as users write it (AdamW with its defaults)."""
+    """One training step as users write it (AdamW with its defaults); the
+    optimizer is the step's `opt` attribute."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step():
@@ -122,6 +123,7 @@ def _train_step(model, forward, inputs, target):
         loss.backward()
         opt.step()
         return loss
+    step.opt = opt
     return step
 
 
@@ -167,16 +169,9 @@ def split_b(args):
         mode = "fused" if config == "tpu fused" or config.endswith("fused mode") else "strict"
         with torch_tpu.eager_mode(mode):
             model, forward, x, y, _ = _mlp(config)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            step = _train_step(model, forward, x, y)
+            opt = step.opt
             held = []
-
-            def step():
-                opt.zero_grad()
-                loss = torch.nn.functional.cross_entropy(forward(x), y)
-                loss.backward()
-                opt.step()
-                return loss
-
             for _ in range(args.warmup):
                 held = step()
                 sync()
