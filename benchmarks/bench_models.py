@@ -104,6 +104,11 @@ def _sync_for(device):
     return torch.tpu.synchronize if device == "tpu" else (lambda: None)
 
 
+def _mode(config):
+    """The eager mode a configuration runs in."""
+    return "fused" if config in ("tpu fused", "tpu compile + fused mode") else "strict"
+
+
 def _compiled(config, model):
     if config == "cpu inductor":
         return torch.compile(model)
@@ -166,12 +171,12 @@ def split_b(args):
     sync = torch.tpu.synchronize
     clock = time.perf_counter
     for config in SPLIT_CONFIGS:
-        mode = "fused" if config == "tpu fused" or config.endswith("fused mode") else "strict"
+        mode = _mode(config)
         with torch_tpu.eager_mode(mode):
             model, forward, x, y, _ = _mlp(config)
             step = _train_step(model, forward, x, y)
             opt = step.opt
-            held = []
+            held = None  # the last step's loss, held across the sync (fused mode computes live results only)
             for _ in range(args.warmup):
                 held = step()
                 sync()
@@ -242,7 +247,7 @@ def measure(name, factory, args, iters, warmup=None):
     base = None
     results = {}
     for config in _configs(args):
-        mode = "fused" if config in ("tpu fused", "tpu compile + fused mode") else "strict"
+        mode = _mode(config)
         try:
             torch._dynamo.reset()
             with torch_tpu.eager_mode(mode), _deferral(config), _config_env(config):
@@ -277,7 +282,7 @@ def measure_interleaved(name, factory, args, iters, rounds, warmup):
     torch._dynamo.reset()
     built = {}
     for config in _configs(args):
-        mode = "fused" if config in ("tpu fused", "tpu compile + fused mode") else "strict"
+        mode = _mode(config)
         try:
             with torch_tpu.eager_mode(mode), _deferral(config), _config_env(config):
                 fn, device = factory(config)

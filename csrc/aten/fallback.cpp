@@ -1181,7 +1181,8 @@ void TpuBoxedKernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // StorageBuffer::host owner: the tensor itself, kept alive (UploadStorage's
 // `keep`; for host tensors nothing writes any more). Null — the upload
 // copies — where the tensor's storage is larger than those bytes (a view
-// into a bigger allocation would keep all of it alive).
+// into a bigger allocation would keep all of it alive); the 64-byte slack
+// covers a storage whose size is not a whole number of elements.
 std::shared_ptr<const void> KeepAlive(const at::Tensor& t, size_t nbytes) {
   if (t.storage_offset() != 0 || t.storage().nbytes() > nbytes + 64) return nullptr;
   auto held = std::make_shared<const at::Tensor>(t);

@@ -257,13 +257,23 @@ bool MaskedFill(Stack& s) {
   return Ret(s, at::empty(shape, self.options()));
 }
 
+// An int[1]? argument: its values, kept alive for the OptionalIntArrayRef
+// (ref()) that ATen's meta functions take.
+struct OptDims {
+  std::optional<std::vector<int64_t>> dims;
+  explicit OptDims(const c10::IValue& v) {
+    if (!v.isNone()) dims = v.toIntVector();
+  }
+  at::OptionalIntArrayRef ref() const {
+    return dims ? at::OptionalIntArrayRef(*dims) : at::OptionalIntArrayRef(std::nullopt);
+  }
+};
+
 // sum.dim_IntList / mean.dim: (self, int[1]? dim, bool keepdim, *, ScalarType? dtype)
 template <at::Tensor (*Fn)(const at::Tensor&, at::OptionalIntArrayRef, bool, std::optional<at::ScalarType>)>
 bool DimReduce(Stack& s) {
-  std::optional<std::vector<int64_t>> dim;
-  if (!s[1].isNone()) dim = s[1].toIntVector();
-  at::OptionalIntArrayRef ref = dim ? at::OptionalIntArrayRef(*dim) : at::OptionalIntArrayRef(std::nullopt);
-  return Ret(s, Fn(T(s, 0), ref, s[2].toBool(), Dtype(s, 3)));
+  const OptDims dim(s[1]);
+  return Ret(s, Fn(T(s, 0), dim.ref(), s[2].toBool(), Dtype(s, 3)));
 }
 
 // _softmax/_log_softmax(self, dim, half_to_float): the C++ meta function
@@ -496,10 +506,8 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
       // Tensor.norm reach it.
       {"aten::linalg_vector_norm",
        [](Stack& s) {
-         std::optional<std::vector<int64_t>> dim;
-         if (!s[2].isNone()) dim = s[2].toIntVector();
-         at::OptionalIntArrayRef ref = dim ? at::OptionalIntArrayRef(*dim) : at::OptionalIntArrayRef(std::nullopt);
-         return Ret(s, at::meta::linalg_vector_norm(T(s, 0), S(s, 1), ref, s[3].toBool(), Dtype(s, 4)));
+         const OptDims dim(s[2]);
+         return Ret(s, at::meta::linalg_vector_norm(T(s, 0), S(s, 1), dim.ref(), s[3].toBool(), Dtype(s, 4)));
        }},
       {"aten::bmm", BINARY(bmm)},
       {"aten::mm", BINARY(mm)},

@@ -321,6 +321,15 @@ std::shared_ptr<pjrt::Buffer> Runtime::Upload(const void* data, hlo::ElementType
   }
 }
 
+namespace {
+// A copy of `n` bytes at `data`, as StorageBuffer::host holds one.
+HostContents CopiedHostContents(const void* data, size_t n) {
+  auto copy = std::make_shared<const std::vector<char>>(static_cast<const char*>(data),
+                                                        static_cast<const char*>(data) + n);
+  return {copy, copy->data(), n};
+}
+}  // namespace
+
 StorageBuffer Runtime::UploadStorage(const void* data, size_t nbytes, hlo::ElementType element, int device_index,
                                      std::string producer, int64_t buffer_numel, std::shared_ptr<const void> keep) {
   const size_t esize = ElementSize(element);
@@ -347,13 +356,8 @@ StorageBuffer Runtime::UploadStorage(const void* data, size_t nbytes, hlo::Eleme
   StorageBuffer sb{std::move(buffer), element, capacity, std::move(producer)};
   if (nbytes <= kHostShadowMaxBytes) {
     const size_t stored = static_cast<size_t>(numel) * esize;
-    if (keep) {
-      sb.host = {std::move(keep), static_cast<const char*>(data), stored};
-    } else {
-      auto copy = std::make_shared<const std::vector<char>>(static_cast<const char*>(data),
-                                                            static_cast<const char*>(data) + stored);
-      sb.host = {copy, copy->data(), stored};
-    }
+    sb.host = keep ? HostContents{std::move(keep), static_cast<const char*>(data), stored}
+                   : CopiedHostContents(data, stored);
   }
   return sb;
 }
@@ -376,12 +380,7 @@ bool Runtime::OverwriteInPlace(StorageBuffer& buffer, const void* data, size_t n
   if (!buffer.buffer->FromHostInPlace(data, nbytes)) return false;
   metrics_.host_to_device_bytes += static_cast<int64_t>(nbytes);
   buffer.checks.clear();  // new contents from the host: no check guards them
-  buffer.host = {};
-  if (nbytes <= kHostShadowMaxBytes) {
-    auto copy = std::make_shared<const std::vector<char>>(static_cast<const char*>(data),
-                                                          static_cast<const char*>(data) + nbytes);
-    buffer.host = {copy, copy->data(), nbytes};
-  }
+  buffer.host = nbytes <= kHostShadowMaxBytes ? CopiedHostContents(data, nbytes) : HostContents{};
   return true;
 }
 
