@@ -286,6 +286,13 @@ bool PassThroughEnabled() {
   return on;
 }
 
+// Pass-through from a structure's last compiled key on (Churning):
+// TORCH_TPU_FUSED_CHURN_AHEAD=0 waits for the first key that churns.
+bool AheadOfChurnEnabled() {
+  static const bool on = EnvFlag("TORCH_TPU_FUSED_CHURN_AHEAD", true);
+  return on;
+}
+
 // A call's op (the schema's address) for structure hashes.
 size_t OpSignature(const c10::OperatorHandle& op) { return std::hash<const void*>()(&op.schema()); }
 
@@ -544,6 +551,7 @@ class FusedExecutor {
     FlushLocked(Cause::kSync);
     regions_.Clear();
     structures_.clear();
+    structure_sizes_.clear();
     churn_counts_.clear();
     ClearPassThroughState();
   }
@@ -963,22 +971,35 @@ class FusedExecutor {
     const size_t structure = RegionStructure();
     if (structures_.size() >= kMaxStructures) {
       structures_.clear();
+      structure_sizes_.clear();
       churn_counts_.clear();
       ClearPassThroughState();
     }
     int& compiled = structures_[structure];
     *sizes_vary = compiled > 0;
+    const size_t sizes = RegionSizes();
     if (compiled >= kMaxSizesPerStructure) {
       // Op-by-op runs are counted by size signature, as PassThrough counts
       // the regions it runs.
-      const size_t sizes = RegionSizes();
       int& seen = churn_counts_[sizes];
       if (CurrentMode() == EagerMode::kFused && !deferred_) NoteChurning(sizes);
       if (++seen < kHotRecurrence) return true;
       if (background && hot_compiles_outstanding.load(std::memory_order_acquire) > 0) return true;
       *hot = true;
     }
-    ++compiled;
+    // This key is the structure's last before it churns, and its sizes
+    // differ from the structure's first key's (not just which values stay
+    // alive after it: a training loop synced every 3 steps has two keys of
+    // its step, cut at the loop boundary and at the sync, whose later sights
+    // recur): any other key of it will run op by op, so regions beginning
+    // with its first op may be passed through from this one's sync point on
+    // (a region following a compiled key's sizes is still recorded: wanted
+    // prefixes). Before, the third key's region was recorded only to run op
+    // by op.
+    const size_t first_sizes = structure_sizes_.emplace(structure, sizes).first->second;
+    if (++compiled == kMaxSizesPerStructure && sizes != first_sizes && CurrentMode() == EagerMode::kFused &&
+        !deferred_ && AheadOfChurnEnabled())
+      PredictChurn();
     return false;
   }
 
@@ -1004,7 +1025,16 @@ class FusedExecutor {
   // times, a region following its size signatures is recorded (it turns
   // hot at its next sight).
   void NoteChurning(size_t sizes) {
-    if (calls_.empty() || calls_.front().graph) return;
+    if (!PredictChurn()) return;
+    if (churn_counts_[sizes] + 1 >= kHotRecurrence - 1) WantRecordedPrefixes();
+  }
+
+  // The recorded region's structure churns (or will at its next key):
+  // regions beginning with its first op may be passed through from the next
+  // sync point on. False (nothing predicted) for a region opening with a
+  // graph call.
+  bool PredictChurn() {
+    if (calls_.empty() || calls_.front().graph) return false;
     PredictedOps predicted;
     for (const auto& rc : calls_) {
       if (rc.graph) {
@@ -1016,8 +1046,8 @@ class FusedExecutor {
     churn_structures_.insert(predicted.Value());
     churn_first_ops_.insert(OpSignature(*calls_.front().op));
     max_churn_calls_ = std::max(max_churn_calls_, calls_.size());
-    if (churn_counts_[sizes] + 1 >= kHotRecurrence - 1) WantRecordedPrefixes();
     arm_pass_through_ = true;
+    return true;
   }
 
   // Runs `op` at once as strict mode does, unrecorded, when the program is
@@ -1632,6 +1662,7 @@ class FusedExecutor {
   uint64_t loop_anchor_ = 0;             // a position where a loop region starts
   // Churn: compiled keys per region structure; op-by-op runs per key hash.
   std::unordered_map<size_t, int> structures_;
+  std::unordered_map<size_t, size_t> structure_sizes_;  // structure -> its first compiled key's RegionSizes
   std::unordered_map<size_t, int> churn_counts_;  // region size signature -> op-by-op runs
   // Churn pass-through (PassThroughEnabled).
   bool pass_through_ = false;       // regions may be passed through (armed at a churning region's sync)
