@@ -1065,6 +1065,14 @@ class FusedExecutor {
       return false;
     }
     EndPassRegionAtSync();
+    // A tentatively recorded region that followed a wanted key up to a loop
+    // boundary ends there, recorded: Record flushes it (a compiled key runs
+    // as one program) and records this call, pass-through over (FlushLocked).
+    // Before, this call left every wanted prefix, so the recorded step ran op
+    // by op and the rest was passed through: in a loop synced every 3 steps
+    // whose structure churned, every step after a sync (its key compiled)
+    // ran op by op.
+    if (tentative_ && at_loop_boundary_ && !calls_.empty()) return false;
     const size_t num_args = op.schema().arguments().size();
     std::span<const c10::IValue> args = std::span<const c10::IValue>(*stack).subspan(stack->size() - num_args);
     // An argument holding a failed check: recorded, so its results inherit

@@ -83,6 +83,62 @@ def test_training_loop_reaches_steady_state(sync_every):
     assert snapshots[last][1] - snapshots[warm][1] == last - warm
 
 
+CHURNED_LOOP_SYNCED_EVERY_3 = r"""
+import json, sys, torch, torch_tpu
+sys.path.insert(0, TESTS_DIR)
+from test_fused_loops import _mlp
+torch.manual_seed(0)
+model = _mlp(); ref = _mlp(); ref.load_state_dict(model.state_dict())
+xs = {n: torch.randn(n, 16) for n in (24, 20)}
+ys = {n: torch.randint(0, 4, (n,)) for n in (24, 20)}
+sizes = [20] + [24] * 17
+with torch_tpu.eager_mode("fused"):
+    model = model.to("tpu")
+    X = {n: x.to("tpu") for n, x in xs.items()}; Y = {n: y.to("tpu") for n, y in ys.items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    snaps, err = [], 0.0
+    for step, n in enumerate(sizes):
+        opt.zero_grad(); ropt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(X[n]), Y[n]); loss.backward(); opt.step()
+        rloss = torch.nn.functional.cross_entropy(ref(xs[n]), ys[n]); rloss.backward(); ropt.step()
+        if step == 0 or step % 3 == 0:  # the syncs
+            err = max(err, abs(loss.item() - rloss.item()))
+        m = torch_tpu.metrics()
+        snaps.append([m["compiles"], m["fused_regions"], m["fused_regions_op_by_op"]])
+    for p, r in zip(model.parameters(), ref.parameters()):
+        err = max(err, (p.cpu() - r).abs().max().item())
+print(json.dumps({"snaps": snaps, "err": err}))
+"""
+
+
+def test_churned_loop_synced_every_3_steps_runs_its_compiled_steps():
+    """An MLP AdamW loop (per-parameter ops, ~70 calls a step) whose first
+    step is at batch 20, then batch 24 with a sync every 3 steps: the step's
+    structure gets a third key (batch 24 cut at the sync and at the loop
+    boundary: other outputs alive), churns, and the regions after each sync
+    are recorded tentatively while they follow a compiled key's sizes. Such
+    a region reaching the loop boundary ends there as recorded and runs its
+    compiled program (PassThrough, session 28); before, the next step's
+    first call left every wanted prefix, so every step after a sync ran op
+    by op (one more op-by-op region every 3 steps, forever). Steady state
+    after step 12 (the last compile, a hot key): no compile, no op-by-op
+    region. Losses and parameters equal CPU (float32, 1e-5). Fresh
+    process, disk cache off."""
+    import json
+    import os
+
+    r = run_python(CHURNED_LOOP_SYNCED_EVERY_3.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__)))),
+                   env={"TORCH_TPU_CACHE_DIR": ""}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["err"] <= 1e-5, out
+    snaps = out["snaps"]  # per step: [compiles, fused regions, op-by-op regions]
+    assert snaps[-1][0] == snaps[12][0], snaps  # no compile
+    assert snaps[-1][2] == snaps[12][2], snaps  # no region op by op
+    assert snaps[-1][1] - snaps[12][1] >= 3, snaps  # the steps run as programs
+
+
 def test_steps_longer_than_the_size_bound():
     """A step of ~70 calls with TORCH_TPU_FUSED_MAX_OPS=16: the step is cut
     into pieces of 16 calls from its own start, so the pieces repeat (before
