@@ -403,7 +403,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--skip", default="", help="comma-separated configurations to skip")
+    p.add_argument("--skip", action="append", default=[],
+                   help="a configuration to skip, by its whole name (names may hold commas: "
+                        "'tpu compile, projections unfused'); repeat the flag for more, or give "
+                        "several names separated by ';'")
     p.add_argument("--only", default="b,c,d,e", help="which benchmarks: b,c,d,e")
     p.add_argument("--finetune-iters", type=int, default=3, help="timed calls of (e) (seconds each on CPU)")
     p.add_argument("--rounds", type=int, default=0,
@@ -417,10 +420,16 @@ def main():
                    help="(b): also print where the tpu configurations' step time goes (host, sync wait, and "
                         "each phase's programs run alone)")
     args = p.parse_args()
-    args.skip = [s.strip() for s in args.skip.split(",") if s.strip()]
+    args.skip = [name.strip() for value in args.skip for name in value.split(";") if name.strip()]
+    known = set(CONFIGS) | {NO_DEFERRAL}
+    unknown = [name for name in args.skip if name not in known]
+    if unknown:
+        p.error(f"--skip: no configuration named {unknown}; the configurations are {sorted(known)}")
+    only = [o.strip() for o in args.only.split(",") if o.strip()]
+    if not only or set(only) - set("bcde"):
+        p.error(f"--only: {args.only!r} is not a comma-separated list of b, c, d, e")
     print(f"torch {torch.__version__}; {torch.tpu.get_device_name()}; {os.cpu_count()} CPU cores; "
           f"torch threads {torch.get_num_threads()}")
-    only = args.only.split(",")
     if "b" in only:
         # A step takes a few ms: 10x the calls, so that the median is not one
         # garbage collection or scheduler hiccup away from another run's.
