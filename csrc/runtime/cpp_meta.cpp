@@ -288,6 +288,58 @@ const at::Tensor& HalfToFloat(const Stack& s) {
   return self;
 }
 
+// logical_and/or/xor(self, other): CPU's comparison_op (BinaryOps.cpp): a
+// bool result resized by TensorIterator::comparison_op over the two
+// (broadcast, promoted to their common dtype for the comparison only).
+bool LogicalBinary(Stack& s) {
+  at::Tensor out = at::empty({0}, T(s, 0).options().dtype(at::kBool));
+  auto iter = at::TensorIterator::comparison_op(out, T(s, 0), T(s, 1));
+  return Ret(s, iter.output());
+}
+
+// logical_not(self): a bool result resized by a unary TensorIterator that
+// does not require equal dtypes (CPU's logical_not_out, UnaryOps.cpp).
+bool LogicalNot(Stack& s) {
+  at::Tensor out = at::empty({0}, T(s, 0).options().dtype(at::kBool));
+  auto iter = at::TensorIteratorConfig().check_all_same_dtype(false).add_output(out).add_const_input(T(s, 0)).build();
+  return Ret(s, iter.output());
+}
+
+// hardtanh(self, min_val, max_val) of a floating tensor: CPU's hardtanh
+// (Activation.cpp) is clamp_out into empty_like(self), whose layout
+// (TensorFactories.cpp, preserve_format) is built here: self's strides where
+// it is non-overlapping and dense, else its suggested memory format
+// (at::empty_like on a meta tensor is a Python meta kernel, torch._refs',
+// whose first call imports sympy: ~0.25 s). Bool (CPU raises) and integer
+// inputs (CPU converts and checks the limits) decline: the Python meta
+// kernel's checks stand there.
+bool Hardtanh(Stack& s) {
+  const at::Tensor& self = T(s, 0);
+  if (!at::isFloatingType(self.scalar_type())) return false;
+  if (self.is_non_overlapping_and_dense()) return Ret(s, at::empty_strided(self.sizes(), self.strides(), self.options()));
+  return Ret(s, at::empty(self.sizes(), self.options().memory_format(self.suggest_memory_format())));
+}
+
+// stack(tensors, dim) of contiguous tensors of one dtype and one shape:
+// CPU's stack (TensorShape.cpp) is a cat along the new dim, a contiguous
+// result of the inputs' dtype shaped as the inputs with len(tensors)
+// inserted at dim. Anything else (mixed dtypes or shapes — CPU promotes or
+// raises — non-contiguous inputs, an empty list, a bad dim) declines.
+bool Stack_(Stack& s) {
+  const std::vector<at::Tensor> tensors = s[0].toTensorVector();
+  if (tensors.empty()) return false;
+  const at::Tensor& first = tensors.front();
+  for (const auto& t : tensors)
+    if (t.scalar_type() != first.scalar_type() || t.sizes() != first.sizes() || !t.is_contiguous()) return false;
+  const int64_t rank = first.dim() + 1;
+  int64_t dim = s[1].toInt();
+  if (dim < -rank || dim >= rank) return false;
+  if (dim < 0) dim += rank;
+  std::vector<int64_t> sizes = first.sizes().vec();
+  sizes.insert(sizes.begin() + dim, static_cast<int64_t>(tensors.size()));
+  return Ret(s, at::empty(sizes, first.options()));
+}
+
 const std::unordered_map<std::string, CppMetaKernel>& Table() {
   static const auto* table = new std::unordered_map<std::string, CppMetaKernel>{
       {"aten::add.Tensor", BINARY_ALPHA(add)},
@@ -509,6 +561,16 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
          const OptDims dim(s[2]);
          return Ret(s, at::meta::linalg_vector_norm(T(s, 0), S(s, 1), dim.ref(), s[3].toBool(), Dtype(s, 4)));
        }},
+      // Session 28 (each imported torch._dynamo at a fresh process's first
+      // call). logical_and/or/xor: CPU's kernels (BinaryOps.cpp) run a
+      // comparison TensorIterator into a bool result; logical_not
+      // (UnaryOps.cpp) a unary one into a bool result of any input dtype.
+      {"aten::logical_and", LogicalBinary},
+      {"aten::logical_or", LogicalBinary},
+      {"aten::logical_xor", LogicalBinary},
+      {"aten::logical_not", LogicalNot},
+      {"aten::hardtanh", Hardtanh},
+      {"aten::stack", Stack_},
       {"aten::bmm", BINARY(bmm)},
       {"aten::mm", BINARY(mm)},
       {"aten::addmm",

@@ -36,10 +36,12 @@ using CppMetaKernel = bool (*)(torch::jit::Stack& stack);
 // of a TransformerEncoderLayer's first 20 forwards (mul.Scalar's). Session
 // 24 added the ops a fresh process's first call showed importing it
 // (atan, fmod, softplus, cross_entropy's nll_loss_forward, 2 ** t, 1 - t,
-// mean(), in-place unary ops, ...); still Python (their first call imports
-// it): floor_divide, logical_and/or/not, hardtanh (relu6), hardswish,
-// logsigmoid, std, norm, logsumexp, dropout, group_norm, stack, abs_,
-// roll, scaled_dot_product_attention.
+// mean(), in-place unary ops, ...), session 26 floor_divide, abs_ and
+// linalg_vector_norm (norm), session 28 logical_and/or/xor/not, hardtanh
+// (relu6) and stack (same-dtype, same-shape contiguous inputs); still
+// Python (their first call imports it): hardswish, logsigmoid, std,
+// logsumexp, dropout (native_dropout's decomposition), group_norm, roll,
+// scaled_dot_product_attention.
 CppMetaKernel FindCppMeta(const c10::OperatorHandle& op);
 
 }  // namespace torch_tpu::runtime

@@ -206,6 +206,21 @@ def _cases():
         ("linalg_vector_norm inf keepdim", lambda t: torch.linalg.vector_norm(t["f"], float("inf"), dim=(0,), keepdim=True)),
         ("linalg_vector_norm dtype", lambda t: torch.linalg.vector_norm(t["f"], 1, dtype=torch.float64)),
         ("norm", lambda t: t["h"].norm()),
+        # Session 28: logical_*, hardtanh, stack.
+        ("logical_and bool&int broadcast", lambda t: torch.logical_and(t["b"], t["i"][0])),
+        ("logical_or transposed", lambda t: torch.logical_or(t["ft"], t["f"] > 0)),
+        ("logical_xor int/float", lambda t: torch.logical_xor(t["i"], t["ft"])),
+        ("logical_not transposed", lambda t: torch.logical_not(t["ft"])),
+        ("logical_not int", lambda t: torch.logical_not(t["i"])),
+        ("hardtanh transposed", lambda t: torch.nn.functional.hardtanh(t["ft"], -0.5, 0.5)),
+        ("relu6 float64", lambda t: torch.nn.functional.relu6(t["h"] * 4)),
+        ("hardtanh non-dense", lambda t: torch.nn.functional.hardtanh(t["h"][:, :, ::2], -0.5, 0.5)),
+        ("hardtanh int", lambda t: torch.nn.functional.hardtanh(t["i"], -2, 2)),
+        ("stack", lambda t: torch.stack([t["f"], t["f"] * 2, t["f"] + 1])),
+        ("stack dim -1", lambda t: torch.stack([t["h"], t["h"] - 1], dim=-1)),
+        ("stack dim 1 int", lambda t: torch.stack([t["i"], t["i"].flip(0)], 1)),
+        ("stack transposed", lambda t: torch.stack([t["ft"], t["ft"]], 1)),
+        ("stack promote", lambda t: torch.stack([t["i"], t["f"]])),
     ], {"f": f, "i": i, "b": b, "ft": ft, "row": row, "h": h}
 
 
@@ -247,7 +262,8 @@ def prof(frame, event, arg):
         if "_meta_registrations" in f or "/_refs/" in f or "/_prims" in f or "_decomp" in f:
             hits.append(frame.f_code.co_name)
 sys.setprofile(prof)
-r = [(x + y), (x * y), torch.cat([x, y], 1), (x > 0), x.sum(1), torch.exp(x), x.softmax(1), x @ y.t()]
+r = [(x + y), (x * y), torch.cat([x, y], 1), (x > 0), x.sum(1), torch.exp(x), x.softmax(1), x @ y.t(),
+     torch.logical_and(x, y), torch.logical_not(x), torch.nn.functional.hardtanh(x), torch.stack([x, y])]
 sys.setprofile(None)
 print(json.dumps({"hits": len(hits), "names": sorted(set(hits))[:20]}))
 """
@@ -290,8 +306,9 @@ print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
 
 
 # Session 24's table ops (each imported torch._dynamo on a fresh process's
-# first call): activations, losses, pointwise math, in-place unary ops; and
-# session 26's (floor_divide, abs_, norm).
+# first call): activations, losses, pointwise math, in-place unary ops;
+# session 26's (floor_divide, abs_, norm); session 28's (logical_*, hardtanh,
+# relu6, stack).
 NO_DYNAMO_IMPORT_MORE = r"""
 import json, sys, torch, torch_tpu
 import torch.nn.functional as F
@@ -305,7 +322,9 @@ r = [torch.atan(x), torch.tan(x), torch.atan2(x, y), torch.fmod(x, y), torch.rem
      F.softplus(x), F.elu(x), F.leaky_relu(x), F.mish(x), F.hardsigmoid(x), F.mse_loss(x, y), F.cross_entropy(x, t),
      x.clamp(min=y), 1 - x, 2 ** x, x.mean(), x.isnan(), x.cumprod(1), x.clone().sigmoid_(), x.clone().exp_(),
      x.clone().clamp_(0, 1), (x > 0) ^ (y > 0), torch.floor_divide(x, y), x.clone().abs_(), x.norm(),
-     torch.linalg.vector_norm(x, 1, dim=1)]
+     torch.linalg.vector_norm(x, 1, dim=1), torch.logical_and(x > 0, y), torch.logical_or(x, y < 0),
+     torch.logical_xor(x, y), torch.logical_not(x), F.hardtanh(x), F.relu6(x), torch.stack([x, y]),
+     torch.stack([x, y], dim=-1)]
 for v in r:
     v.cpu()
 print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
