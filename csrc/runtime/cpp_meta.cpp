@@ -108,6 +108,7 @@
 #include <ATen/ops/threshold_backward_meta_dispatch.h>
 #include <ATen/ops/xlogy_meta_dispatch.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -338,6 +339,59 @@ bool Stack_(Stack& s) {
   std::vector<int64_t> sizes = first.sizes().vec();
   sizes.insert(sizes.begin() + dim, static_cast<int64_t>(tensors.size()));
   return Ret(s, at::empty(sizes, first.options()));
+}
+
+// hardswish(self) of a floating tensor: CPU's hardswish (Activation.cpp)
+// is a unary TensorIterator op into a result it allocates; other dtypes
+// (CPU's kernel raises for them) decline.
+bool Hardswish(Stack& s) {
+  const at::Tensor& self = T(s, 0);
+  if (!at::isFloatingType(self.scalar_type())) return false;
+  at::Tensor out;
+  auto iter = at::TensorIterator::unary_op(out, self);
+  return Ret(s, iter.output());
+}
+
+// roll(self, shifts, dims) of a contiguous, non-empty tensor: CPU's roll
+// (TensorTransformations.cpp, roll_cpu / roll_common) is a cat of two
+// narrowed views per rolled dim (or of the flattened tensor where dims is
+// empty): contiguous, self's shape and dtype. Other inputs (a layout the
+// cat would keep, an empty tensor, shifts and dims that do not pair, a
+// dim out of range: CPU's messages) decline.
+bool Roll(Stack& s) {
+  const at::Tensor& self = T(s, 0);
+  const std::vector<int64_t> shifts = s[1].toIntVector();
+  const std::vector<int64_t> dims = s[2].toIntVector();
+  if (!self.is_contiguous() || self.numel() == 0 || shifts.empty()) return false;
+  if (dims.empty() ? shifts.size() != 1 : dims.size() != shifts.size()) return false;
+  const int64_t rank = std::max<int64_t>(self.dim(), 1);
+  for (int64_t d : dims)
+    if (d < -rank || d >= rank) return false;
+  return Ret(s, at::empty(self.sizes(), self.options()));
+}
+
+// scalar_tensor(s, *, dtype?, layout?, device?, pin_memory?): a 0-d tensor
+// of dtype, else the default dtype (ATen's scalar_tensor: at::empty({})
+// with the call's options, then filled).
+bool ScalarTensor(Stack& s) {
+  const at::ScalarType dtype = Dtype(s, 1).value_or(c10::get_default_dtype_as_scalartype());
+  return Ret(s, at::empty({}, at::TensorOptions().dtype(dtype).device(c10::kMeta)));
+}
+
+// logsumexp(self, dim, keepdim) of a non-empty real tensor: CPU's
+// (ReduceOps.cpp) resizes an empty result of self's dtype (the default
+// dtype for integer and bool inputs) to the reduced shape, contiguous; the
+// shape (and the dims' checks) is amax's structured meta step's. Empty and
+// complex inputs decline.
+bool Logsumexp(Stack& s) {
+  const at::Tensor& self = T(s, 0);
+  if (self.numel() == 0 || self.is_complex()) return false;
+  const std::vector<int64_t> dims = s[1].toIntVector();
+  const at::Tensor reduced = at::meta::amax(self, dims, s[2].toBool());
+  const at::ScalarType dtype = at::isIntegralType(self.scalar_type(), /*includeBool=*/true)
+                                   ? c10::get_default_dtype_as_scalartype()
+                                   : self.scalar_type();
+  return Ret(s, at::empty(reduced.sizes(), self.options().dtype(dtype)));
 }
 
 const std::unordered_map<std::string, CppMetaKernel>& Table() {
@@ -571,6 +625,10 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
       {"aten::logical_not", LogicalNot},
       {"aten::hardtanh", Hardtanh},
       {"aten::stack", Stack_},
+      {"aten::hardswish", Hardswish},
+      {"aten::roll", Roll},
+      {"aten::scalar_tensor", ScalarTensor},
+      {"aten::logsumexp", Logsumexp},
       {"aten::bmm", BINARY(bmm)},
       {"aten::mm", BINARY(mm)},
       {"aten::addmm",

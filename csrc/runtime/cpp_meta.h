@@ -38,10 +38,13 @@ using CppMetaKernel = bool (*)(torch::jit::Stack& stack);
 // (atan, fmod, softplus, cross_entropy's nll_loss_forward, 2 ** t, 1 - t,
 // mean(), in-place unary ops, ...), session 26 floor_divide, abs_ and
 // linalg_vector_norm (norm), session 28 logical_and/or/xor/not, hardtanh
-// (relu6) and stack (same-dtype, same-shape contiguous inputs); still
-// Python (their first call imports it): hardswish, logsigmoid, std,
-// logsumexp, dropout (native_dropout's decomposition), group_norm, roll,
-// scaled_dot_product_attention.
+// (relu6), stack (same-dtype, same-shape contiguous inputs), hardswish,
+// roll (contiguous inputs), logsumexp and scalar_tensor; still Python
+// (their first call imports it): logsigmoid, std, dropout
+// (native_dropout's decomposition), group_norm, and
+// scaled_dot_product_attention's math path (_safe_softmax is
+// CompositeExplicitAutograd: its C++ body runs on tpu tensors, yet the
+// first call still reaches where's Python meta kernel; not traced).
 CppMetaKernel FindCppMeta(const c10::OperatorHandle& op);
 
 }  // namespace torch_tpu::runtime

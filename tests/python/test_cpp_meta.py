@@ -221,6 +221,18 @@ def _cases():
         ("stack dim 1 int", lambda t: torch.stack([t["i"], t["i"].flip(0)], 1)),
         ("stack transposed", lambda t: torch.stack([t["ft"], t["ft"]], 1)),
         ("stack promote", lambda t: torch.stack([t["i"], t["f"]])),
+        ("hardswish", lambda t: torch.nn.functional.hardswish(t["ft"] * 4)),
+        ("hardswish float64", lambda t: torch.nn.functional.hardswish(t["h"] * 4)),
+        ("roll", lambda t: t["f"].roll(1, 1)),
+        ("roll dims", lambda t: t["h"].roll((1, -2), (0, 2))),
+        ("roll flat", lambda t: t["i"].roll(5)),
+        ("roll transposed", lambda t: t["ft"].roll(1, 0)),
+        ("scalar_tensor", lambda t: torch.ops.aten.scalar_tensor(2.5, device=t["f"].device) + t["f"]),
+        ("scalar_tensor int", lambda t: torch.ops.aten.scalar_tensor(3, dtype=torch.int64, device=t["i"].device) * t["i"]),
+        ("logsumexp", lambda t: t["f"].logsumexp(1)),
+        ("logsumexp keepdim dims", lambda t: t["h"].logsumexp((0, 2), keepdim=True)),
+        ("logsumexp int", lambda t: t["i"].logsumexp(0)),
+        ("logsumexp transposed", lambda t: t["ft"].logsumexp(0)),
     ], {"f": f, "i": i, "b": b, "ft": ft, "row": row, "h": h}
 
 
@@ -308,7 +320,7 @@ print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
 # Session 24's table ops (each imported torch._dynamo on a fresh process's
 # first call): activations, losses, pointwise math, in-place unary ops;
 # session 26's (floor_divide, abs_, norm); session 28's (logical_*, hardtanh,
-# relu6, stack).
+# relu6, stack, hardswish, roll, logsumexp, scalar_tensor).
 NO_DYNAMO_IMPORT_MORE = r"""
 import json, sys, torch, torch_tpu
 import torch.nn.functional as F
@@ -324,7 +336,8 @@ r = [torch.atan(x), torch.tan(x), torch.atan2(x, y), torch.fmod(x, y), torch.rem
      x.clone().clamp_(0, 1), (x > 0) ^ (y > 0), torch.floor_divide(x, y), x.clone().abs_(), x.norm(),
      torch.linalg.vector_norm(x, 1, dim=1), torch.logical_and(x > 0, y), torch.logical_or(x, y < 0),
      torch.logical_xor(x, y), torch.logical_not(x), F.hardtanh(x), F.relu6(x), torch.stack([x, y]),
-     torch.stack([x, y], dim=-1)]
+     torch.stack([x, y], dim=-1), F.hardswish(x), x.roll(1, 1), x.logsumexp(1),
+     torch.ops.aten.scalar_tensor(0.5, device=x.device) * x]
 for v in r:
     v.cpu()
 print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
