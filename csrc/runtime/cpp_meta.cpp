@@ -220,6 +220,30 @@ bool Where(Stack& s) {
   return Ret(s, iter.output());
 }
 
+// where.self_out(condition, self, other, out): CPU's where_self_out, as
+// Where into the given out (the iterator resizes an empty one). An out of
+// another dtype than self's and other's result type (CPU raises) and a
+// condition that is not bool decline. _safe_softmax's C++ body (the
+// softmax of scaled_dot_product_attention's math path) reaches it.
+bool WhereOut(Stack& s) {
+  const at::Tensor& condition = T(s, 0);
+  const at::Tensor& self = T(s, 1);
+  const at::Tensor& other = T(s, 2);
+  at::Tensor out = T(s, 3);
+  const at::ScalarType type = at::result_type(self, other);
+  if (condition.scalar_type() != at::kBool || out.scalar_type() != type) return false;
+  const at::Tensor self_ = self.scalar_type() != type ? self.to(type) : self;
+  const at::Tensor other_ = other.scalar_type() != type ? other.to(type) : other;
+  at::TensorIteratorConfig()
+      .check_all_same_dtype(false)
+      .add_output(out)
+      .add_const_input(condition)
+      .add_input(self_)
+      .add_input(other_)
+      .build();  // resizes out
+  return Ret(s, out);
+}
+
 // relu: CPU's (aten/src/ATen/native/Activation.cpp) refuses bool, then is
 // clamp_min(self, 0).
 bool Relu(Stack& s) {
@@ -404,6 +428,7 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
       {"aten::native_layer_norm", NativeLayerNorm},
       {"aten::masked_fill.Scalar", MaskedFill},
       {"aten::where.self", Where},
+      {"aten::where.self_out", WhereOut},
       {"aten::relu", Relu},
       {"aten::abs", Abs},
       {"aten::clamp",

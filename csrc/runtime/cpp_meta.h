@@ -39,12 +39,11 @@ using CppMetaKernel = bool (*)(torch::jit::Stack& stack);
 // mean(), in-place unary ops, ...), session 26 floor_divide, abs_ and
 // linalg_vector_norm (norm), session 28 logical_and/or/xor/not, hardtanh
 // (relu6), stack (same-dtype, same-shape contiguous inputs), hardswish,
-// roll (contiguous inputs), logsumexp and scalar_tensor; still Python
-// (their first call imports it): logsigmoid, std, dropout
-// (native_dropout's decomposition), group_norm, and
-// scaled_dot_product_attention's math path (_safe_softmax is
-// CompositeExplicitAutograd: its C++ body runs on tpu tensors, yet the
-// first call still reaches where's Python meta kernel; not traced).
+// roll (contiguous inputs), logsumexp, scalar_tensor and where.self_out
+// (scaled_dot_product_attention's math path: _safe_softmax's C++ body,
+// CompositeExplicitAutograd, calls it on tpu tensors; generate()'s
+// decoding calls it too); still Python (their first call imports it):
+// logsigmoid, std, dropout (native_dropout's decomposition), group_norm.
 CppMetaKernel FindCppMeta(const c10::OperatorHandle& op);
 
 }  // namespace torch_tpu::runtime

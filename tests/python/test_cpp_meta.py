@@ -228,6 +228,11 @@ def _cases():
         ("roll flat", lambda t: t["i"].roll(5)),
         ("roll transposed", lambda t: t["ft"].roll(1, 0)),
         ("scalar_tensor", lambda t: torch.ops.aten.scalar_tensor(2.5, device=t["f"].device) + t["f"]),
+        ("where.self_out", lambda t: torch.where(t["b"], t["f"], t["ft"], out=torch.empty(0, device=t["f"].device))),
+        ("where.self_out broadcast", lambda t: torch.where(t["b"][:, :1], t["row"], t["f"], out=torch.empty(3, 4, device=t["f"].device))),
+        ("_safe_softmax", lambda t: torch.ops.aten._safe_softmax(t["h"].masked_fill(t["h"] > 1, float("-inf")), -1)),
+        ("_safe_softmax all -inf row", lambda t: torch.ops.aten._safe_softmax(t["f"].masked_fill(t["b"][:, :1], float("-inf")), 1)),
+        ("sdpa", lambda t: torch.nn.functional.scaled_dot_product_attention(t["h"], t["h"] * 0.5, t["h"] + 1)),
         ("scalar_tensor int", lambda t: torch.ops.aten.scalar_tensor(3, dtype=torch.int64, device=t["i"].device) * t["i"]),
         ("logsumexp", lambda t: t["f"].logsumexp(1)),
         ("logsumexp keepdim dims", lambda t: t["h"].logsumexp((0, 2), keepdim=True)),
@@ -320,7 +325,8 @@ print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
 # Session 24's table ops (each imported torch._dynamo on a fresh process's
 # first call): activations, losses, pointwise math, in-place unary ops;
 # session 26's (floor_divide, abs_, norm); session 28's (logical_*, hardtanh,
-# relu6, stack, hardswish, roll, logsumexp, scalar_tensor).
+# relu6, stack, hardswish, roll, logsumexp, scalar_tensor, where.self_out:
+# scaled_dot_product_attention's math path).
 NO_DYNAMO_IMPORT_MORE = r"""
 import json, sys, torch, torch_tpu
 import torch.nn.functional as F
@@ -337,7 +343,8 @@ r = [torch.atan(x), torch.tan(x), torch.atan2(x, y), torch.fmod(x, y), torch.rem
      torch.linalg.vector_norm(x, 1, dim=1), torch.logical_and(x > 0, y), torch.logical_or(x, y < 0),
      torch.logical_xor(x, y), torch.logical_not(x), F.hardtanh(x), F.relu6(x), torch.stack([x, y]),
      torch.stack([x, y], dim=-1), F.hardswish(x), x.roll(1, 1), x.logsumexp(1),
-     torch.ops.aten.scalar_tensor(0.5, device=x.device) * x]
+     torch.ops.aten.scalar_tensor(0.5, device=x.device) * x, F.scaled_dot_product_attention(x[None], y[None], y[None]),
+     torch.where(x > 0, x, y, out=torch.empty(0, device=x.device))]
 for v in r:
     v.cpu()
 print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
