@@ -330,20 +330,42 @@ bool LogicalNot(Stack& s) {
   return Ret(s, iter.output());
 }
 
+// empty_like(self)'s layout (TensorFactories.cpp, preserve_format): self's
+// strides where it is non-overlapping and dense, else its suggested memory
+// format. at::empty_like on a meta tensor is torch._refs' Python kernel,
+// whose first call imports sympy (~0.25 s).
+at::Tensor EmptyLike(const at::Tensor& self) {
+  if (self.is_non_overlapping_and_dense()) return at::empty_strided(self.sizes(), self.strides(), self.options());
+  return at::empty(self.sizes(), self.options().memory_format(self.suggest_memory_format()));
+}
+
 // hardtanh(self, min_val, max_val) of a floating tensor: CPU's hardtanh
-// (Activation.cpp) is clamp_out into empty_like(self), whose layout
-// (TensorFactories.cpp, preserve_format) is built here: self's strides where
-// it is non-overlapping and dense, else its suggested memory format
-// (at::empty_like on a meta tensor is a Python meta kernel, torch._refs',
-// whose first call imports sympy: ~0.25 s). Bool (CPU raises) and integer
+// (Activation.cpp) is clamp_out into empty_like(self) (EmptyLike). Bool
+// (CPU raises) and integer
 // inputs (CPU converts and checks the limits) decline: the Python meta
 // kernel's checks stand there.
 bool Hardtanh(Stack& s) {
   const at::Tensor& self = T(s, 0);
   if (!at::isFloatingType(self.scalar_type())) return false;
-  if (self.is_non_overlapping_and_dense()) return Ret(s, at::empty_strided(self.sizes(), self.strides(), self.options()));
-  return Ret(s, at::empty(self.sizes(), self.options().memory_format(self.suggest_memory_format())));
+  return Ret(s, EmptyLike(self));
 }
+
+// clone(self, memory_format?): CPU's clone (TensorFactories.cpp): with
+// Preserve (the default), self's strides where it is non-overlapping and
+// dense, else empty_like's suggested memory format; another format, an
+// empty tensor in it (a format the rank cannot take raises c10's error, as
+// on CPU).
+bool Clone(Stack& s) {
+  const at::Tensor& self = T(s, 0);
+  const auto format = s[1].isNone() ? c10::MemoryFormat::Preserve : s[1].toMemoryFormat();
+  if (format == c10::MemoryFormat::Preserve) return Ret(s, EmptyLike(self));
+  return Ret(s, at::empty(self.sizes(), self.options().memory_format(format)));
+}
+
+// fill_.Scalar(self, value): self (CPU fills an expanded tensor too: every
+// write is the same value). The value's conversion is checked where the
+// call runs (the CPU kernel or ScalarToBytes), as before.
+bool FillScalar(Stack& s) { return Ret(s, T(s, 0)); }
 
 // stack(tensors, dim) of contiguous tensors of one dtype and one shape:
 // CPU's stack (TensorShape.cpp) is a cat along the new dim, a contiguous
@@ -653,6 +675,8 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
       {"aten::hardswish", Hardswish},
       {"aten::roll", Roll},
       {"aten::scalar_tensor", ScalarTensor},
+      {"aten::clone", Clone},
+      {"aten::fill_.Scalar", FillScalar},
       {"aten::logsumexp", Logsumexp},
       {"aten::bmm", BINARY(bmm)},
       {"aten::mm", BINARY(mm)},

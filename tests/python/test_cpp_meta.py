@@ -233,6 +233,14 @@ def _cases():
         ("_safe_softmax", lambda t: torch.ops.aten._safe_softmax(t["h"].masked_fill(t["h"] > 1, float("-inf")), -1)),
         ("_safe_softmax all -inf row", lambda t: torch.ops.aten._safe_softmax(t["f"].masked_fill(t["b"][:, :1], float("-inf")), 1)),
         ("sdpa", lambda t: torch.nn.functional.scaled_dot_product_attention(t["h"], t["h"] * 0.5, t["h"] + 1)),
+        ("clone transposed", lambda t: t["ft"].clone()),
+        ("clone non-dense", lambda t: t["h"][:, :, ::2].clone()),
+        ("clone expanded", lambda t: t["row"].expand(3, 4).clone()),
+        ("clone channels_last", lambda t: t["h"][None].clone(memory_format=torch.channels_last)),
+        ("clone contiguous_format", lambda t: t["ft"].clone(memory_format=torch.contiguous_format)),
+        ("fill_", lambda t: t["ft"].clone().fill_(2.5)),
+        ("fill_ int with float", lambda t: t["i"].clone().fill_(1.75)),
+        ("fill_ expanded", lambda t: t["row"][:1].clone().expand(3, 4).fill_(3.0)),
         ("scalar_tensor int", lambda t: torch.ops.aten.scalar_tensor(3, dtype=torch.int64, device=t["i"].device) * t["i"]),
         ("logsumexp", lambda t: t["f"].logsumexp(1)),
         ("logsumexp keepdim dims", lambda t: t["h"].logsumexp((0, 2), keepdim=True)),
@@ -280,7 +288,8 @@ def prof(frame, event, arg):
             hits.append(frame.f_code.co_name)
 sys.setprofile(prof)
 r = [(x + y), (x * y), torch.cat([x, y], 1), (x > 0), x.sum(1), torch.exp(x), x.softmax(1), x @ y.t(),
-     torch.logical_and(x, y), torch.logical_not(x), torch.nn.functional.hardtanh(x), torch.stack([x, y])]
+     torch.logical_and(x, y), torch.logical_not(x), torch.nn.functional.hardtanh(x), torch.stack([x, y]),
+     x.t().clone(), x.clone().fill_(2.0)]
 sys.setprofile(None)
 print(json.dumps({"hits": len(hits), "names": sorted(set(hits))[:20]}))
 """
