@@ -350,6 +350,24 @@ bool Hardtanh(Stack& s) {
   return Ret(s, EmptyLike(self));
 }
 
+// native_dropout(input, p, train?) of a non-empty floating tensor, p in
+// [0, 1]: CPU's native_dropout_cpu (Dropout.cpp) returns the output and a
+// bool mask, both laid out as empty_like(input) (checked against CPU:
+// dense, transposed and channels_last inputs keep their strides, train or
+// not). An empty input (CPU returns the input itself and a mask of its
+// dtype), other dtypes and p outside [0, 1] decline.
+bool NativeDropout(Stack& s) {
+  const at::Tensor& input = T(s, 0);
+  const double p = s[1].toDouble();
+  if (!at::isFloatingType(input.scalar_type()) || input.numel() == 0 || !(p >= 0 && p <= 1)) return false;
+  at::Tensor out = EmptyLike(input);
+  at::Tensor mask = EmptyLike(input).to(at::kBool);
+  s.clear();
+  s.emplace_back(std::move(out));
+  s.emplace_back(std::move(mask));
+  return true;
+}
+
 // clone(self, memory_format?): CPU's clone (TensorFactories.cpp): with
 // Preserve (the default), self's strides where it is non-overlapping and
 // dense, else empty_like's suggested memory format; another format, an
@@ -676,6 +694,7 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
       {"aten::roll", Roll},
       {"aten::scalar_tensor", ScalarTensor},
       {"aten::clone", Clone},
+      {"aten::native_dropout", NativeDropout},
       {"aten::fill_.Scalar", FillScalar},
       {"aten::logsumexp", Logsumexp},
       {"aten::bmm", BINARY(bmm)},

@@ -271,6 +271,34 @@ def test_cpp_meta_results_are_cpus(name, fn, mode):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_native_dropout_layout_and_values(mode):
+    """native_dropout's C++ meta kernel (random values: not in CASES): the
+    output and the bool mask have CPU's dtypes, shapes and strides (dense,
+    transposed, channels_last, strided, float16 inputs; train and eval);
+    the output is input * mask / (1 - p) for the tpu's own mask (float16:
+    1e-3), and about 1 - p of a 2048-element mask is kept (0.75 +- 0.1,
+    ~10 standard deviations)."""
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(64, 32, generator=g), torch.randn(32, 64, generator=g).t(),
+              torch.randn(2, 3, 8, 8, generator=g).to(memory_format=torch.channels_last),
+              torch.randn(16, 32, generator=g)[:, ::2], torch.randn(64, 32, generator=g).half()]
+    with torch_tpu.eager_mode(mode):
+        for x in inputs:
+            for train in (True, False):
+                out, mask = torch.native_dropout(x.to("tpu"), 0.25, train)
+                cpu_out, cpu_mask = torch.native_dropout(x, 0.25, train)
+                assert (out.dtype, mask.dtype, out.shape) == (cpu_out.dtype, cpu_mask.dtype, cpu_out.shape)
+                assert (out.stride(), mask.stride()) == (cpu_out.stride(), cpu_mask.stride()), (x.stride(), train)
+                o, m = out.cpu(), mask.cpu()
+                scale = 1 / 0.75 if train else 1.0
+                torch.testing.assert_close(o.float(), x.float() * m * scale, rtol=1e-3, atol=1e-3)
+                if train and x.numel() >= 2048:
+                    assert 0.65 <= m.float().mean().item() <= 0.85
+                else:
+                    assert train or bool(m.all())
+
+
 # sys.setprofile sees the Python calls the dispatcher makes (a Python meta
 # kernel is a PythonKernelHolder calling a Python function): the files of
 # PyTorch's Python meta kernels, refs and prims are counted while new keys
@@ -335,7 +363,8 @@ print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
 # first call): activations, losses, pointwise math, in-place unary ops;
 # session 26's (floor_divide, abs_, norm); session 28's (logical_*, hardtanh,
 # relu6, stack, hardswish, roll, logsumexp, scalar_tensor, where.self_out:
-# scaled_dot_product_attention's math path).
+# scaled_dot_product_attention's math path, native_dropout: training-mode
+# dropout).
 NO_DYNAMO_IMPORT_MORE = r"""
 import json, sys, torch, torch_tpu
 import torch.nn.functional as F
@@ -353,7 +382,7 @@ r = [torch.atan(x), torch.tan(x), torch.atan2(x, y), torch.fmod(x, y), torch.rem
      torch.logical_xor(x, y), torch.logical_not(x), F.hardtanh(x), F.relu6(x), torch.stack([x, y]),
      torch.stack([x, y], dim=-1), F.hardswish(x), x.roll(1, 1), x.logsumexp(1),
      torch.ops.aten.scalar_tensor(0.5, device=x.device) * x, F.scaled_dot_product_attention(x[None], y[None], y[None]),
-     torch.where(x > 0, x, y, out=torch.empty(0, device=x.device))]
+     torch.where(x > 0, x, y, out=torch.empty(0, device=x.device)), F.dropout(x, 0.5, True)]
 for v in r:
     v.cpu()
 print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
