@@ -341,9 +341,8 @@ at::Tensor EmptyLike(const at::Tensor& self) {
 
 // hardtanh(self, min_val, max_val) of a floating tensor: CPU's hardtanh
 // (Activation.cpp) is clamp_out into empty_like(self) (EmptyLike). Bool
-// (CPU raises) and integer
-// inputs (CPU converts and checks the limits) decline: the Python meta
-// kernel's checks stand there.
+// (CPU raises) and integer inputs (CPU converts and checks the limits)
+// decline: the Python meta kernel's checks stand there.
 bool Hardtanh(Stack& s) {
   const at::Tensor& self = T(s, 0);
   if (!at::isFloatingType(self.scalar_type())) return false;
@@ -680,10 +679,9 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
          const OptDims dim(s[2]);
          return Ret(s, at::meta::linalg_vector_norm(T(s, 0), S(s, 1), dim.ref(), s[3].toBool(), Dtype(s, 4)));
        }},
-      // Session 28 (each imported torch._dynamo at a fresh process's first
-      // call). logical_and/or/xor: CPU's kernels (BinaryOps.cpp) run a
-      // comparison TensorIterator into a bool result; logical_not
-      // (UnaryOps.cpp) a unary one into a bool result of any input dtype.
+      // Session 28: each imported torch._dynamo at a fresh process's first
+      // call, except clone and fill_.Scalar (Python meta kernels without
+      // the import, the last ones (c)'s block ran).
       {"aten::logical_and", LogicalBinary},
       {"aten::logical_or", LogicalBinary},
       {"aten::logical_xor", LogicalBinary},
