@@ -108,7 +108,6 @@
 #include <ATen/ops/threshold_backward_meta_dispatch.h>
 #include <ATen/ops/xlogy_meta_dispatch.h>
 
-#include <algorithm>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -420,16 +419,17 @@ bool Hardswish(Stack& s) {
 // narrowed views per rolled dim (or of the flattened tensor where dims is
 // empty): contiguous, self's shape and dtype. Other inputs (a layout the
 // cat would keep, an empty tensor, shifts and dims that do not pair, a
-// dim out of range: CPU's messages) decline.
+// dim out of range, any dim of a 0-d tensor: CPU's messages) decline.
 bool Roll(Stack& s) {
   const at::Tensor& self = T(s, 0);
   const std::vector<int64_t> shifts = s[1].toIntVector();
   const std::vector<int64_t> dims = s[2].toIntVector();
   if (!self.is_contiguous() || self.numel() == 0 || shifts.empty()) return false;
   if (dims.empty() ? shifts.size() != 1 : dims.size() != shifts.size()) return false;
-  const int64_t rank = std::max<int64_t>(self.dim(), 1);
+  // A 0-d tensor takes no dim at all (CPU: "Dimension specified as 0 but
+  // tensor has no dimensions"; the lowering indexes the dim it is given).
   for (int64_t d : dims)
-    if (d < -rank || d >= rank) return false;
+    if (d < -self.dim() || d >= self.dim()) return false;
   return Ret(s, at::empty(self.sizes(), self.options()));
 }
 
