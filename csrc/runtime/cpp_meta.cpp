@@ -200,22 +200,30 @@ bool NativeLayerNorm(Stack& s) {
 // type, the output laid out by a TensorIterator over the three (broadcast,
 // CPU's strides for permuted inputs). A condition that is not bool (uint8:
 // CPU warns and converts) declines.
+// CPU's where_self_out iterator: self and other in their result type
+// `type`, `out` (resized by the iterator where it is empty) laid out over
+// the three.
+at::TensorIterator WhereIterator(const at::Tensor& condition, const at::Tensor& self, const at::Tensor& other,
+                                 at::ScalarType type, const at::Tensor& out) {
+  const at::Tensor self_ = self.scalar_type() != type ? self.to(type) : self;
+  const at::Tensor other_ = other.scalar_type() != type ? other.to(type) : other;
+  return at::TensorIteratorConfig()
+      .check_all_same_dtype(false)
+      .add_output(out)
+      .add_const_input(condition)
+      .add_input(self_)
+      .add_input(other_)
+      .build();
+}
+
 bool Where(Stack& s) {
   const at::Tensor& condition = T(s, 0);
   const at::Tensor& self = T(s, 1);
   const at::Tensor& other = T(s, 2);
   if (condition.scalar_type() != at::kBool) return false;
   const at::ScalarType type = at::result_type(self, other);
-  const at::Tensor self_ = self.scalar_type() != type ? self.to(type) : self;
-  const at::Tensor other_ = other.scalar_type() != type ? other.to(type) : other;
   at::Tensor out = at::empty({0}, self.options().dtype(type));  // as CPU's where: the iterator resizes it
-  auto iter = at::TensorIteratorConfig()
-                  .check_all_same_dtype(false)
-                  .add_output(out)
-                  .add_const_input(condition)
-                  .add_input(self_)
-                  .add_input(other_)
-                  .build();
+  auto iter = WhereIterator(condition, self, other, type, out);
   return Ret(s, iter.output());
 }
 
@@ -231,15 +239,7 @@ bool WhereOut(Stack& s) {
   at::Tensor out = T(s, 3);
   const at::ScalarType type = at::result_type(self, other);
   if (condition.scalar_type() != at::kBool || out.scalar_type() != type) return false;
-  const at::Tensor self_ = self.scalar_type() != type ? self.to(type) : self;
-  const at::Tensor other_ = other.scalar_type() != type ? other.to(type) : other;
-  at::TensorIteratorConfig()
-      .check_all_same_dtype(false)
-      .add_output(out)
-      .add_const_input(condition)
-      .add_input(self_)
-      .add_input(other_)
-      .build();  // resizes out
+  WhereIterator(condition, self, other, type, out);  // resizes out
   return Ret(s, out);
 }
 

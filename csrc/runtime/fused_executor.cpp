@@ -551,7 +551,6 @@ class FusedExecutor {
     FlushLocked(Cause::kSync);
     regions_.Clear();
     structures_.clear();
-    structure_sizes_.clear();
     churn_counts_.clear();
     ClearPassThroughState();
   }
@@ -786,7 +785,7 @@ class FusedExecutor {
       // passed through (PassThrough).
       if (CurrentMode() == EagerMode::kFused && !deferred_ && PassThroughEnabled()) {
         auto it = structures_.find(RegionStructure());
-        if (it != structures_.end() && it->second >= kMaxSizesPerStructure) arm_pass_through_ = true;
+        if (it != structures_.end() && it->second.compiled >= kMaxSizesPerStructure) arm_pass_through_ = true;
       }
       if (!region->ready.load(std::memory_order_acquire)) {
         // Compiling in the background: the calls run as strict mode runs
@@ -971,13 +970,13 @@ class FusedExecutor {
     const size_t structure = RegionStructure();
     if (structures_.size() >= kMaxStructures) {
       structures_.clear();
-      structure_sizes_.clear();
       churn_counts_.clear();
       ClearPassThroughState();
     }
-    int& compiled = structures_[structure];
-    *sizes_vary = compiled > 0;
     const size_t sizes = RegionSizes();
+    StructureKeys& keys = structures_.try_emplace(structure, StructureKeys{0, sizes}).first->second;
+    int& compiled = keys.compiled;
+    *sizes_vary = compiled > 0;
     if (compiled >= kMaxSizesPerStructure) {
       // Op-by-op runs are counted by size signature, as PassThrough counts
       // the regions it runs.
@@ -996,8 +995,7 @@ class FusedExecutor {
     // (a region following a compiled key's sizes is still recorded: wanted
     // prefixes). Before, the third key's region was recorded only to run op
     // by op.
-    const size_t first_sizes = structure_sizes_.emplace(structure, sizes).first->second;
-    if (++compiled == kMaxSizesPerStructure && sizes != first_sizes && CurrentMode() == EagerMode::kFused &&
+    if (++compiled == kMaxSizesPerStructure && sizes != keys.first_sizes && CurrentMode() == EagerMode::kFused &&
         !deferred_ && AheadOfChurnEnabled())
       PredictChurn();
     return false;
@@ -1669,8 +1667,11 @@ class FusedExecutor {
   bool at_loop_boundary_ = false;        // the recorded calls end at a loop boundary
   uint64_t loop_anchor_ = 0;             // a position where a loop region starts
   // Churn: compiled keys per region structure; op-by-op runs per key hash.
-  std::unordered_map<size_t, int> structures_;
-  std::unordered_map<size_t, size_t> structure_sizes_;  // structure -> its first compiled key's RegionSizes
+  struct StructureKeys {
+    int compiled = 0;         // keys compiled (churn: kMaxSizesPerStructure)
+    size_t first_sizes = 0;   // the first key's RegionSizes (PredictChurn: do the sizes vary?)
+  };
+  std::unordered_map<size_t, StructureKeys> structures_;
   std::unordered_map<size_t, int> churn_counts_;  // region size signature -> op-by-op runs
   // Churn pass-through (PassThroughEnabled).
   bool pass_through_ = false;       // regions may be passed through (armed at a churning region's sync)
