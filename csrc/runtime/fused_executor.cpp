@@ -178,6 +178,17 @@ struct CompiledRegion {
   std::vector<RegionOutput> outputs;
   std::vector<std::string> check_messages;  // outputs after `outputs`: index checks
   std::vector<int64_t> donor_inputs;         // inputs aliased to their storage's new value
+  // Its key was flushed again after the flush that built it (fused mode's
+  // Churning reads it: a structure whose first key never recurred changes
+  // sizes). Main thread only.
+  bool recurred = false;
+};
+
+// A region structure's compiled keys (FusedExecutor::Churning).
+struct StructureKeys {
+  int compiled = 0;        // keys compiled (churn: kMaxSizesPerStructure)
+  size_t first_sizes = 0;  // the first key's RegionSizes (PredictChurn: do the sizes vary?)
+  std::weak_ptr<CompiledRegion> first_region;  // the first key's program (early churn: has it recurred?)
 };
 
 struct RegionKeyHash {
@@ -241,7 +252,8 @@ constexpr size_t kMaxSignatures = size_t{1} << 16;  // last-seen map bound (clea
 // op by op (strict mode's calls: host-served until their single-op programs
 // are compiled) for any further key, unless that key itself has been run
 // op by op kHotRecurrence - 1 times (then it is compiled: it repeats, so
-// fusing it pays off). 4, not 3: a generate() call's decoding steps are one
+// fusing it pays off). A second key already churns where the first key has
+// not recurred yet (Churning's `early`). 4, not 3: a generate() call's decoding steps are one
 // structure at a new KV length each, so each key recurs once per call; at 3
 // the third call compiled ~23 regions (27 s on 2 loaded cores) where
 // op by op costs ~nothing more once the single-op programs exist.
@@ -286,8 +298,9 @@ bool PassThroughEnabled() {
   return on;
 }
 
-// Pass-through from a structure's last compiled key on (Churning):
-// TORCH_TPU_FUSED_CHURN_AHEAD=0 waits for the first key that churns.
+// Pass-through from a structure's last compiled key on, and a second key
+// that churns early (Churning): TORCH_TPU_FUSED_CHURN_AHEAD=0 compiles two
+// keys per structure and waits for the first key that churns.
 bool AheadOfChurnEnabled() {
   static const bool on = EnvFlag("TORCH_TPU_FUSED_CHURN_AHEAD", true);
   return on;
@@ -781,6 +794,7 @@ class FusedExecutor {
     };
     if (region) {
       metrics.cache_hits++;
+      region->recurred = true;
       // A compiled key of a churning structure: the next region may be
       // passed through (PassThrough).
       if (CurrentMode() == EagerMode::kFused && !deferred_ && PassThroughEnabled()) {
@@ -804,7 +818,8 @@ class FusedExecutor {
       const bool background = CurrentMode() == EagerMode::kFused && !deferred_;  // where a new key compiles
       bool sizes_vary = false;  // the structure has been compiled for other sizes already
       bool hot = false;         // a churning structure's key compiled for recurring
-      if ((CurrentMode() == EagerMode::kFused || deferred_) && Churning(background, &sizes_vary, &hot)) {
+      StructureKeys* keys = nullptr;  // the structure's entry (Churning)
+      if ((CurrentMode() == EagerMode::kFused || deferred_) && Churning(background, &sizes_vary, &hot, &keys)) {
         RunOneByOne(alive);
         return;
       }
@@ -842,6 +857,7 @@ class FusedExecutor {
           return;
         }
         NoteRegionProgram();
+        if (keys && keys->compiled == 1) keys->first_region = built;
         CompileInBackground(regions_.Insert(key_, built), name, hot);
         RunOneByOne(alive, /*region_compiling=*/true);
         return;
@@ -856,6 +872,7 @@ class FusedExecutor {
       built->module_text.clear();
       built->ready.store(true, std::memory_order_release);
       NoteRegionProgram();
+      if (keys && keys->compiled == 1) keys->first_region = built;
       region = regions_.Insert(key_, std::move(built));
     }
     Run(*region, alive);
@@ -966,7 +983,7 @@ class FusedExecutor {
   // `background`, only while no other hot key's compile is outstanding).
   // Counts the compile otherwise; `sizes_vary` is set when the structure
   // had been compiled for another key before.
-  bool Churning(bool background, bool* sizes_vary, bool* hot) {
+  bool Churning(bool background, bool* sizes_vary, bool* hot, StructureKeys** keys_out) {
     const size_t structure = RegionStructure();
     if (structures_.size() >= kMaxStructures) {
       structures_.clear();
@@ -975,9 +992,26 @@ class FusedExecutor {
     }
     const size_t sizes = RegionSizes();
     StructureKeys& keys = structures_.try_emplace(structure, StructureKeys{0, sizes}).first->second;
+    *keys_out = &keys;
     int& compiled = keys.compiled;
     *sizes_vary = compiled > 0;
-    if (compiled >= kMaxSizesPerStructure) {
+    // A second key at other sizes while the structure's first key (a
+    // program, compiled or compiling) has not recurred: the sizes change
+    // from one sight to the next (the (c) block of bench_dynamic_shapes:
+    // 20 sequence lengths, each seen once; generate()'s decoding steps, one
+    // KV length each), so this key churns as a later one would, one key
+    // early: its program is neither built (~0.15-0.3 ms on the calling
+    // thread for a 21-call region) nor compiled, and its calls count toward
+    // their single-op compiles as strict mode's do (a compiling region's
+    // defer them). (c) first pass, 20 interleaved rounds: fused 35.5 ms,
+    // 36.3 ms without, strict 35.7 ms. A first key that recurs first (a
+    // workload alternating between two shapes) lets the second compile at
+    // its next sight. Fused mode's background keys only;
+    // TORCH_TPU_FUSED_CHURN_AHEAD=0 turns it off with PredictChurn's.
+    const bool early = compiled > 0 && compiled < kMaxSizesPerStructure && background && sizes != keys.first_sizes &&
+                       CurrentMode() == EagerMode::kFused && !deferred_ && AheadOfChurnEnabled() &&
+                       FirstKeyUnused(keys);
+    if (compiled >= kMaxSizesPerStructure || early) {
       // Op-by-op runs are counted by size signature, as PassThrough counts
       // the regions it runs.
       int& seen = churn_counts_[sizes];
@@ -999,6 +1033,13 @@ class FusedExecutor {
         !deferred_ && AheadOfChurnEnabled())
       PredictChurn();
     return false;
+  }
+
+  // Whether the structure's first key has a program whose key has not been
+  // flushed again since (Churning's early churn).
+  static bool FirstKeyUnused(const StructureKeys& keys) {
+    const std::shared_ptr<CompiledRegion> first = keys.first_region.lock();
+    return first && !first->recurred;
   }
 
   // The recorded region's structure: its op sequence (graph calls by uid).
@@ -1667,10 +1708,6 @@ class FusedExecutor {
   bool at_loop_boundary_ = false;        // the recorded calls end at a loop boundary
   uint64_t loop_anchor_ = 0;             // a position where a loop region starts
   // Churn: compiled keys per region structure; op-by-op runs per key hash.
-  struct StructureKeys {
-    int compiled = 0;         // keys compiled (churn: kMaxSizesPerStructure)
-    size_t first_sizes = 0;   // the first key's RegionSizes (PredictChurn: do the sizes vary?)
-  };
   std::unordered_map<size_t, StructureKeys> structures_;
   std::unordered_map<size_t, int> churn_counts_;  // region size signature -> op-by-op runs
   // Churn pass-through (PassThroughEnabled).
