@@ -457,6 +457,78 @@ bool Logsumexp(Stack& s) {
   return Ret(s, at::empty(reduced.sizes(), self.options().dtype(dtype)));
 }
 
+// float32, float64, float16 and bfloat16 (not the float8 types, which
+// c10::isFloatingType includes and CPU's kernels below reject).
+bool IsCpuFloat(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// log_sigmoid_forward(self) -> (output, buffer): CPU's
+// log_sigmoid_forward_cpu (Activation.cpp) returns both contiguous, of
+// self's shape and dtype, whatever self's layout (the Python meta kernel
+// lays them out as empty_like(self): a transposed input gave transposed
+// strides). Floating inputs only (CPU raises for the others).
+bool LogSigmoidForward(Stack& s) {
+  const at::Tensor& self = T(s, 0);
+  if (!IsCpuFloat(self.scalar_type())) return false;
+  at::Tensor out = at::empty(self.sizes(), self.options());
+  at::Tensor buffer = at::empty(self.sizes(), self.options());
+  s.clear();
+  s.emplace_back(std::move(out));
+  s.emplace_back(std::move(buffer));
+  return true;
+}
+
+// std/var.correction(self, dim?, *, correction?, keepdim) and
+// std_mean/var_mean.correction (the same, two results): CPU's std_var_out
+// (ReduceOps.cpp) reduces over `dim` (every dim where it is None or empty),
+// contiguous, of self's dtype for a floating self; the shape and the dims'
+// checks are amax's structured meta step's (an empty dim list reduces every
+// dim there too). Complex inputs (a real result; var_mean's mean stays
+// complex), empty and 0-d ones (CPU warns and gives NaN) decline.
+template <int kResults>
+bool StdVar(Stack& s) {
+  const at::Tensor& self = T(s, 0);
+  if (!IsCpuFloat(self.scalar_type()) || self.numel() == 0 || self.dim() == 0) return false;
+  const std::vector<int64_t> dims = s[1].isNone() ? std::vector<int64_t>{} : s[1].toIntVector();
+  const at::Tensor reduced = at::meta::amax(self, dims, s[3].toBool());
+  s.clear();
+  for (int r = 0; r < kResults; ++r) s.emplace_back(at::empty(reduced.sizes(), self.options()));
+  return true;
+}
+
+// native_group_norm(input, weight?, bias?, N, C, HxW, group, eps) -> (out,
+// mean, rstd): CPU's native_group_norm (group_norm.cpp): out laid out as
+// the input in its suggested memory format (CPU requires the input
+// contiguous in it: F.group_norm makes it so), mean and rstd [N, group] of
+// the input's dtype. A floating input with weight and bias of its dtype (or
+// none) whose arguments pass CPU's checks (N * C * HxW elements, C
+// divisible by group, C-element parameters); anything else declines (a
+// bfloat16/half input with float parameters has float statistics on CPU).
+bool NativeGroupNorm(Stack& s) {
+  const at::Tensor& input = T(s, 0);
+  const at::ScalarType dtype = input.scalar_type();
+  if (!IsCpuFloat(dtype) || input.dim() < 2 || input.numel() == 0) return false;
+  const at::MemoryFormat format = input.suggest_memory_format();
+  if (!input.is_contiguous(format)) return false;
+  const int64_t n = s[3].toInt(), c = s[4].toInt(), hxw = s[5].toInt(), group = s[6].toInt();
+  if (group <= 0 || c % group != 0 || input.size(0) != n || input.size(1) != c || n * c * hxw != input.numel())
+    return false;
+  for (size_t i : {size_t{1}, size_t{2}}) {
+    if (s[i].isNone() || !T(s, i).defined()) continue;  // None, or undefined from a C++ caller
+    const at::Tensor& p = T(s, i);
+    if (p.scalar_type() != dtype || p.dim() != 1 || p.numel() != c) return false;
+  }
+  at::Tensor out = at::empty(input.sizes(), input.options().memory_format(format));
+  at::Tensor mean = at::empty({n, group}, input.options());
+  at::Tensor rstd = at::empty({n, group}, input.options());
+  s.clear();
+  s.emplace_back(std::move(out));
+  s.emplace_back(std::move(mean));
+  s.emplace_back(std::move(rstd));
+  return true;
+}
+
 const std::unordered_map<std::string, CppMetaKernel>& Table() {
   static const auto* table = new std::unordered_map<std::string, CppMetaKernel>{
       {"aten::add.Tensor", BINARY_ALPHA(add)},
@@ -695,6 +767,12 @@ const std::unordered_map<std::string, CppMetaKernel>& Table() {
       {"aten::native_dropout", NativeDropout},
       {"aten::fill_.Scalar", FillScalar},
       {"aten::logsumexp", Logsumexp},
+      {"aten::log_sigmoid_forward", LogSigmoidForward},
+      {"aten::std.correction", StdVar<1>},
+      {"aten::var.correction", StdVar<1>},
+      {"aten::std_mean.correction", StdVar<2>},
+      {"aten::var_mean.correction", StdVar<2>},
+      {"aten::native_group_norm", NativeGroupNorm},
       {"aten::bmm", BINARY(bmm)},
       {"aten::mm", BINARY(mm)},
       {"aten::addmm",

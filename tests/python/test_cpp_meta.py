@@ -29,6 +29,9 @@ def _cases():
     ft = torch.randn(4, 3, generator=g).t()  # a transposed (column-major) input
     row = torch.randn(4, generator=g)
     h = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    w3 = torch.randn(3, generator=g, dtype=torch.float64)
+    c4 = torch.randn(2, 4, 3, 5, generator=g).to(memory_format=torch.channels_last)
+    F = torch.nn.functional
     return [
         ("add int+float", lambda t: torch.add(t["i"], t["f"], alpha=2)),
         ("add wrapped", lambda t: t["i"] + 2.5),
@@ -246,7 +249,25 @@ def _cases():
         ("logsumexp keepdim dims", lambda t: t["h"].logsumexp((0, 2), keepdim=True)),
         ("logsumexp int", lambda t: t["i"].logsumexp(0)),
         ("logsumexp transposed", lambda t: t["ft"].logsumexp(0)),
-    ], {"f": f, "i": i, "b": b, "ft": ft, "row": row, "h": h}
+        # Session 29: log_sigmoid_forward (CPU: contiguous results whatever
+        # the input's layout; the Python meta kernel kept a transposed
+        # input's strides), std/var(_mean), native_group_norm.
+        ("logsigmoid transposed", lambda t: F.logsigmoid(t["ft"])),
+        ("logsigmoid float64 non-dense", lambda t: F.logsigmoid(t["h"][:, :, ::2])),
+        ("log_sigmoid_forward buffer", lambda t: torch.ops.aten.log_sigmoid_forward(t["ft"])[1]),
+        ("std", lambda t: t["f"].std(1)),
+        ("std keepdim dims correction 0", lambda t: t["h"].std((0, 2), keepdim=True, correction=0)),
+        ("var all", lambda t: t["h"].var()),
+        ("var transposed", lambda t: t["ft"].var(0)),
+        ("var dim []", lambda t: torch.ops.aten.var.correction(t["f"], [])),
+        ("std_mean std", lambda t: torch.std_mean(t["h"], -1)[0]),
+        ("std_mean mean", lambda t: torch.std_mean(t["h"], -1)[1]),
+        ("var_mean transposed", lambda t: torch.var_mean(t["ft"], 1, keepdim=True)[1]),
+        ("group_norm affine float64", lambda t: F.group_norm(t["h"], 3, t["w3"], t["w3"] + 1)),
+        ("group_norm channels_last", lambda t: F.group_norm(t["c4"], 2)),
+        ("group_norm transposed input", lambda t: F.group_norm(t["ft"], 2)),
+        ("native_group_norm rstd", lambda t: torch.ops.aten.native_group_norm(t["h"], t["w3"], None, 2, 3, 4, 3, 1e-5)[2]),
+    ], {"f": f, "i": i, "b": b, "ft": ft, "row": row, "h": h, "w3": w3, "c4": c4}
 
 
 CASES, INPUTS = _cases()
@@ -364,7 +385,8 @@ print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
 # session 26's (floor_divide, abs_, norm); session 28's (logical_*, hardtanh,
 # relu6, stack, hardswish, roll, logsumexp, scalar_tensor, where.self_out:
 # scaled_dot_product_attention's math path, native_dropout: training-mode
-# dropout).
+# dropout); session 29's (logsigmoid, std, var, std_mean, var_mean,
+# group_norm).
 NO_DYNAMO_IMPORT_MORE = r"""
 import json, sys, torch, torch_tpu
 import torch.nn.functional as F
@@ -382,7 +404,8 @@ r = [torch.atan(x), torch.tan(x), torch.atan2(x, y), torch.fmod(x, y), torch.rem
      torch.logical_xor(x, y), torch.logical_not(x), F.hardtanh(x), F.relu6(x), torch.stack([x, y]),
      torch.stack([x, y], dim=-1), F.hardswish(x), x.roll(1, 1), x.logsumexp(1),
      torch.ops.aten.scalar_tensor(0.5, device=x.device) * x, F.scaled_dot_product_attention(x[None], y[None], y[None]),
-     torch.where(x > 0, x, y, out=torch.empty(0, device=x.device)), F.dropout(x, 0.5, True)]
+     torch.where(x > 0, x, y, out=torch.empty(0, device=x.device)), F.dropout(x, 0.5, True), F.logsigmoid(x),
+     x.std(1), x.var(), torch.std_mean(x, 0)[0], torch.var_mean(x, 1)[1], F.group_norm(x, 2)]
 for v in r:
     v.cpu()
 print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
