@@ -29,9 +29,12 @@ layer norms, GELU MLP, hidden 64, batch 2, causal mask; lengths 1..65
 around the bucket edges 16, 32, 64 (torch_tpu._dynamic buckets). The
 most compiles of one op (strict, fused) or of one Dynamo graph (compile)
 in the first pass, and in the first two, is listed: issue 12's target is
-at most 4. Strict and fused run --repeat interleaved processes each
-(medians), and "fused / strict" gives the per-round ratios of the first
-and warm passes (issue 12: fused never slower than strict).
+at most 4. Strict and fused run --length-rounds (9) interleaved processes
+each (medians), and "fused / strict" gives the ratio of the medians and
+the per-round ratios of the first and warm passes (issue 12: fused never
+slower than strict; one process's first pass varies by ~5-10% and each
+has one 3-6 ms stall at a random length, so 3 rounds could not tell a 2%
+difference from noise).
 
 offsets (`--only offsets`): views at a new storage offset each iteration
 (docs/design.md "Offset families"): the column-order check PyTorch's
@@ -369,6 +372,8 @@ def main() -> None:
                         "(TORCH_TPU_HOST_FIRST=0), fused")
     p.add_argument("--repeat", type=int, default=3,
                    help="fresh processes per generate row (medians; ratios as median [min-max])")
+    p.add_argument("--length-rounds", type=int, default=9,
+                   help="(c): interleaved strict/fused rounds of fresh processes (medians; ratios)")
     args = p.parse_args()
     if args.child:
         kind, config = args.child.split(":")
@@ -386,12 +391,13 @@ def main() -> None:
         _generate_table(rows, max(1, args.repeat))
     if args.only == "generate":
         return
-    # strict and fused run `repeat` fresh processes each, interleaved (the
-    # rows share the machine's drift): a row's times are the medians, and
-    # "fused / strict" is the median [min-max] of the per-round ratios
-    # (issue 12 (c): fused never slower than strict). One process's first
-    # pass varies by ~10% on a quiet 2-core machine.
-    rounds = max(1, args.repeat)
+    # strict and fused run `length_rounds` fresh processes each,
+    # interleaved (the rows share the machine's drift): a row's times are
+    # the medians, and "fused / strict" is the ratio of the medians and the
+    # median [min-max] of the per-round ratios (issue 12 (c): fused never
+    # slower than strict). One process's first pass varies by ~5-10% on a
+    # quiet 2-core machine.
+    rounds = max(1, args.length_rounds)
     runs = {"strict": [], "fused": []}
     for _ in range(rounds):
         for c in runs:
@@ -420,10 +426,12 @@ def main() -> None:
               f"{both} | {r['compile_s']:.1f} | {r['warm_s']:.3f} | {r['first_s'] / cpu:.1f}x |")
     def ratio(key):
         v = [f[key] / t[key] for f, t in zip(runs["fused"], runs["strict"])]
-        return f"{statistics.median(v):.2f}x [{min(v):.2f}-{max(v):.2f}]"
+        return (f"{results['fused'][key] / results['strict'][key]:.3f}x, per round {statistics.median(v):.3f}x "
+                f"[{min(v):.2f}-{max(v):.2f}]")
     print()
-    print(f"fused / strict over {rounds} rounds (per-round ratios, median [min-max]): first pass {ratio('first_s')}, "
-          f"warm pass {ratio('warm_s')}")
+    print(f"fused / strict over {rounds} rounds (ratio of the medians; per-round ratios, median [min-max]): "
+          f"first pass {ratio('first_s')} (medians {results['fused']['first_s'] * 1e3:.1f} / "
+          f"{results['strict']['first_s'] * 1e3:.1f} ms); warm pass {ratio('warm_s')}")
     sites = _run_child("lengths", "sites")
     print()
     print(f"tpu strict per op site (the i-th ATen call of the forward; a counting run, not timed): "
