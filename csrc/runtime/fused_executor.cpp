@@ -253,10 +253,11 @@ constexpr size_t kMaxSignatures = size_t{1} << 16;  // last-seen map bound (clea
 // are compiled) for any further key, unless that key itself has been run
 // op by op kHotRecurrence - 1 times (then it is compiled: it repeats, so
 // fusing it pays off). A second key already churns where the first key has
-// not recurred yet (Churning's `early`). 4, not 3: a generate() call's decoding steps are one
-// structure at a new KV length each, so each key recurs once per call; at 3
-// the third call compiled ~23 regions (27 s on 2 loaded cores) where
-// op by op costs ~nothing more once the single-op programs exist.
+// not recurred yet (Churning's `early`). 4, not 3: a generate() call's
+// decoding steps are one structure at a new KV length each, so each key
+// recurs once per call; at 3 the third call compiled ~23 regions (27 s on
+// 2 loaded cores) where op by op costs ~nothing more once the single-op
+// programs exist.
 // Hot keys compile in the background one at a time and at low priority
 // (after every other queued compile): while one hot key's compile is
 // queued or running, other hot keys stay op by op and are compiled at a
