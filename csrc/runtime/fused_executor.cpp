@@ -905,7 +905,8 @@ class FusedExecutor {
     if (ambiguous_compiling_ops_.count(first_op)) return;
     PredictedOps predicted;
     for (const auto& rc : calls_) predicted.Add(*rc.op);
-    compiling_[first_op] = Compiling{region, predicted.Value(), calls_.size()};
+    compiling_[first_op] = Compiling{region, predicted.Value(), calls_.size(),
+                                     c10::hash_combine(size_t{0}, SizeSignature(*calls_.front().op, calls_.front().args))};
     arm_pass_through_ = true;
   }
 
@@ -1007,16 +1008,22 @@ class FusedExecutor {
     // defer them). (c) first pass, 20 interleaved rounds: fused 35.5 ms,
     // 36.3 ms without, strict 35.7 ms. A first key that recurs first (a
     // workload alternating between two shapes) lets the second compile at
-    // its next sight. Fused mode's background keys only;
+    // its next sight. Only at the key's first sight: its sizes are wanted
+    // (a region following them is recorded, not passed through), so a key
+    // that recurs compiles at its second sight (two lengths alternating,
+    // 17 and 40, 40 times each: 2 compiles, as without early churn; with
+    // it alone, the second length was passed through until hot and ran its
+    // single-op compiles, 20). Fused mode's background keys only;
     // TORCH_TPU_FUSED_CHURN_AHEAD=0 turns it off with PredictChurn's.
     const bool early = compiled > 0 && compiled < kMaxSizesPerStructure && background && sizes != keys.first_sizes &&
                        CurrentMode() == EagerMode::kFused && !deferred_ && AheadOfChurnEnabled() &&
-                       FirstKeyUnused(keys);
+                       FirstKeyUnused(keys) && !churn_counts_.count(sizes);
     if (compiled >= kMaxSizesPerStructure || early) {
       // Op-by-op runs are counted by size signature, as PassThrough counts
       // the regions it runs.
       int& seen = churn_counts_[sizes];
       if (CurrentMode() == EagerMode::kFused && !deferred_) NoteChurning(sizes);
+      if (early) WantRecordedPrefixes();
       if (++seen < kHotRecurrence) return true;
       if (background && hot_compiles_outstanding.load(std::memory_order_acquire) > 0) return true;
       *hot = true;
@@ -1156,13 +1163,25 @@ class FusedExecutor {
         pass_through_ = false;
         return false;
       }
-      if (!compiling && wanted_prefixes_.count(c10::hash_combine(size_t{0}, sizes))) {
+      // A wanted key's region is recorded tentatively, unless it begins
+      // as the compiling key's does (that key's regions run op by op until
+      // its program is ready). Another wanted key of the compiling key's
+      // structure (a second length churned early, Churning) is recorded:
+      // passed through, it ran its single-op compiles instead of compiling
+      // at its second sight.
+      const size_t first_prefix = c10::hash_combine(size_t{0}, sizes);
+      if (wanted_prefixes_.count(first_prefix) && (!compiling || c->second.first_prefix != first_prefix)) {
         tentative_ = true;
-        tentative_prefix_ = c10::hash_combine(size_t{0}, sizes);
+        tentative_prefix_ = first_prefix;
         return false;
       }
       pass_compiling_ = compiling;
-      pass_defer_ = compiling && !churning;
+      // A region beginning as the compiling key's does is taken for that
+      // key's (its program serves it from its next sight on): its calls
+      // queue no single-op compile, even where its structure churns (two
+      // lengths alternating, the first still compiling, counted one length's
+      // single-op compiles: 11 compiles instead of 2).
+      pass_defer_ = compiling && (!churning || c->second.first_prefix == first_prefix);
       pass_compiling_structure_ = compiling ? c->second.structure : 0;
       pass_limit_ = std::max(churning ? max_churn_calls_ : 0, compiling ? c->second.calls : 0);
       pass_first_op_ = op_sig;
@@ -1733,6 +1752,7 @@ class FusedExecutor {
     std::shared_ptr<CompiledRegion> region;
     size_t structure = 0;          // PredictedOps of its calls
     size_t calls = 0;
+    size_t first_prefix = 0;       // its first call's size-signature prefix (PassThrough)
   };
   std::unordered_map<size_t, Compiling> compiling_;
   std::unordered_set<size_t> ambiguous_compiling_ops_;  // began another structure's region while compiling

@@ -602,6 +602,52 @@ def _pass_through_loop(on, ahead=True):
     return out
 
 
+ALTERNATING_LENGTHS = r"""
+import copy, json, torch, torch_tpu
+import torch.nn.functional as F
+torch.manual_seed(0)
+lin, ln = torch.nn.Linear(32, 96), torch.nn.LayerNorm(32)
+def block(x, lin, ln):
+    q, k, v = lin(F.gelu(ln(x))).chunk(3, -1)
+    return torch.softmax(q @ k.transpose(-1, -2) / 32 ** 0.5, -1) @ v + x
+xs = {n: torch.randn(2, n, 32) for n in (17, 40)}
+err = 0.0
+with torch.no_grad(), torch_tpu.eager_mode("fused"):
+    lin_t, ln_t = copy.deepcopy(lin).to("tpu"), copy.deepcopy(ln).to("tpu")
+    c0 = torch_tpu.metrics()["compiles"]
+    for n in [17, 40] * 40:
+        y = block(xs[n].to("tpu"), lin_t, ln_t).cpu()
+        err = max(err, (y - block(xs[n], lin, ln)).abs().max().item())
+    m = torch_tpu.metrics()
+    r0 = m["fused_regions"]
+    for n in [17, 40] * 3:
+        block(xs[n].to("tpu"), lin_t, ln_t).cpu()
+    tail = torch_tpu.metrics()["fused_regions"] - r0
+print(json.dumps({"compiles": m["compiles"] - c0, "tail": tail, "err": err}))
+"""
+
+
+def test_two_alternating_lengths_compile_two_regions():
+    """Two lengths alternating (17, 40, 17, ...), synced every call, fused
+    mode: the second length comes before the first recurs, so it churns
+    early (runs op by op, unbuilt: session 29), and compiles at its second
+    sight: 2 region programs in all, no single-op programs, and then every
+    call runs as one program. Found by a new-user check of the early churn:
+    the second length's later sights were passed through while the first
+    length's program compiled (the compiling key's region begins with the
+    same op), so it ran op by op and compiled its single-op programs (20
+    compiles, then 11 with its sizes wanted). Values equal CPU at every
+    call. Fresh process, disk cache off."""
+    import json
+
+    r = run_python(ALTERNATING_LENGTHS, env={"TORCH_TPU_CACHE_DIR": ""}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["err"] <= 1e-5, out
+    assert out["compiles"] == 2, out
+    assert out["tail"] == 6, out  # every call one program
+
+
 def test_churning_regions_pass_through():
     """Fused mode, 12 sizes of one loop body (a sync after each): the first
     size compiles (in the background; op by op that time); the second comes
