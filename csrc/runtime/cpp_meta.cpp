@@ -108,6 +108,7 @@
 #include <ATen/ops/threshold_backward_meta_dispatch.h>
 #include <ATen/ops/xlogy_meta_dispatch.h>
 
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -138,6 +139,12 @@ std::optional<at::ScalarType> Dtype(const Stack& s, size_t i) {
 bool Ret(Stack& s, at::Tensor r) {
   s.clear();
   s.emplace_back(std::move(r));
+  return true;
+}
+// Several results, in the schema's order.
+bool Ret(Stack& s, std::initializer_list<at::Tensor> rs) {
+  s.clear();
+  for (const at::Tensor& r : rs) s.emplace_back(r);
   return true;
 }
 
@@ -185,21 +192,9 @@ bool NativeLayerNorm(Stack& s) {
   std::vector<int64_t> stat(input.sizes().begin(), input.sizes().begin() + axis);
   stat.resize(static_cast<size_t>(input.dim()), 1);
   const at::TensorOptions options = input.options();
-  at::Tensor out = at::empty(input.sizes(), options);
-  at::Tensor mean = at::empty(stat, options);
-  at::Tensor rstd = at::empty(stat, options);
-  s.clear();
-  s.emplace_back(std::move(out));
-  s.emplace_back(std::move(mean));
-  s.emplace_back(std::move(rstd));
-  return true;
+  return Ret(s, {at::empty(input.sizes(), options), at::empty(stat, options), at::empty(stat, options)});
 }
 
-// where.self(condition, self, other): CPU's where_self_out
-// (aten/src/ATen/native/TensorCompare.cpp): self and other in their result
-// type, the output laid out by a TensorIterator over the three (broadcast,
-// CPU's strides for permuted inputs). A condition that is not bool (uint8:
-// CPU warns and converts) declines.
 // CPU's where_self_out iterator: self and other in their result type
 // `type`, `out` (resized by the iterator where it is empty) laid out over
 // the three.
@@ -216,6 +211,11 @@ at::TensorIterator WhereIterator(const at::Tensor& condition, const at::Tensor& 
       .build();
 }
 
+// where.self(condition, self, other): CPU's where_self_out
+// (aten/src/ATen/native/TensorCompare.cpp): self and other in their result
+// type, the output laid out by a TensorIterator over the three (broadcast,
+// CPU's strides for permuted inputs). A condition that is not bool (uint8:
+// CPU warns and converts) declines.
 bool Where(Stack& s) {
   const at::Tensor& condition = T(s, 0);
   const at::Tensor& self = T(s, 1);
@@ -358,12 +358,7 @@ bool NativeDropout(Stack& s) {
   const at::Tensor& input = T(s, 0);
   const double p = s[1].toDouble();
   if (!at::isFloatingType(input.scalar_type()) || input.numel() == 0 || !(p >= 0 && p <= 1)) return false;
-  at::Tensor out = EmptyLike(input);
-  at::Tensor mask = EmptyLike(input).to(at::kBool);
-  s.clear();
-  s.emplace_back(std::move(out));
-  s.emplace_back(std::move(mask));
-  return true;
+  return Ret(s, {EmptyLike(input), EmptyLike(input).to(at::kBool)});
 }
 
 // clone(self, memory_format?): CPU's clone (TensorFactories.cpp): with
@@ -471,12 +466,7 @@ bool IsCpuFloat(at::ScalarType t) {
 bool LogSigmoidForward(Stack& s) {
   const at::Tensor& self = T(s, 0);
   if (!IsCpuFloat(self.scalar_type())) return false;
-  at::Tensor out = at::empty(self.sizes(), self.options());
-  at::Tensor buffer = at::empty(self.sizes(), self.options());
-  s.clear();
-  s.emplace_back(std::move(out));
-  s.emplace_back(std::move(buffer));
-  return true;
+  return Ret(s, {at::empty(self.sizes(), self.options()), at::empty(self.sizes(), self.options())});
 }
 
 // std/var.correction(self, dim?, *, correction?, keepdim) and
@@ -492,9 +482,8 @@ bool StdVar(Stack& s) {
   if (!IsCpuFloat(self.scalar_type()) || self.numel() == 0 || self.dim() == 0) return false;
   const std::vector<int64_t> dims = s[1].isNone() ? std::vector<int64_t>{} : s[1].toIntVector();
   const at::Tensor reduced = at::meta::amax(self, dims, s[3].toBool());
-  s.clear();
-  for (int r = 0; r < kResults; ++r) s.emplace_back(at::empty(reduced.sizes(), self.options()));
-  return true;
+  if constexpr (kResults == 1) return Ret(s, at::empty(reduced.sizes(), self.options()));
+  return Ret(s, {at::empty(reduced.sizes(), self.options()), at::empty(reduced.sizes(), self.options())});
 }
 
 // native_group_norm(input, weight?, bias?, N, C, HxW, group, eps) -> (out,
@@ -519,14 +508,8 @@ bool NativeGroupNorm(Stack& s) {
     const at::Tensor& p = T(s, i);
     if (p.scalar_type() != dtype || p.dim() != 1 || p.numel() != c) return false;
   }
-  at::Tensor out = at::empty(input.sizes(), input.options().memory_format(format));
-  at::Tensor mean = at::empty({n, group}, input.options());
-  at::Tensor rstd = at::empty({n, group}, input.options());
-  s.clear();
-  s.emplace_back(std::move(out));
-  s.emplace_back(std::move(mean));
-  s.emplace_back(std::move(rstd));
-  return true;
+  return Ret(s, {at::empty(input.sizes(), input.options().memory_format(format)),
+                 at::empty({n, group}, input.options()), at::empty({n, group}, input.options())});
 }
 
 const std::unordered_map<std::string, CppMetaKernel>& Table() {

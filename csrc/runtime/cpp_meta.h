@@ -44,8 +44,9 @@ using CppMetaKernel = bool (*)(torch::jit::Stack& stack);
 // CompositeExplicitAutograd, calls it on tpu tensors; generate()'s
 // decoding calls it too), and clone and fill_.Scalar (no dynamo import,
 // but the only Python meta kernels left in (c)'s block: 56 and 14 calls of
-// its first pass), and native_dropout (training-mode dropout); still
-// Python (their first call imports it): logsigmoid, std, group_norm.
+// its first pass), and native_dropout (training-mode dropout); session 29
+// log_sigmoid_forward (logsigmoid), std/var(_mean).correction and
+// native_group_norm (group_norm).
 CppMetaKernel FindCppMeta(const c10::OperatorHandle& op);
 
 }  // namespace torch_tpu::runtime

@@ -857,8 +857,7 @@ class FusedExecutor {
           RunOneByOne(alive);
           return;
         }
-        NoteRegionProgram();
-        if (keys && keys->compiled == 1) keys->first_region = built;
+        NoteRegionProgram(keys, built);
         CompileInBackground(regions_.Insert(key_, built), name, hot);
         RunOneByOne(alive, /*region_compiling=*/true);
         return;
@@ -872,8 +871,7 @@ class FusedExecutor {
       }
       built->module_text.clear();
       built->ready.store(true, std::memory_order_release);
-      NoteRegionProgram();
-      if (keys && keys->compiled == 1) keys->first_region = built;
+      NoteRegionProgram(keys, built);
       region = regions_.Insert(key_, std::move(built));
     }
     Run(*region, alive);
@@ -881,8 +879,10 @@ class FusedExecutor {
 
   // The recorded region's key has a program (compiled or compiling): a
   // region whose calls follow its size signatures is recorded, not passed
-  // through (PassThrough).
-  void NoteRegionProgram() {
+  // through (PassThrough); the structure's first key's program is kept
+  // (weakly) for Churning's early churn.
+  void NoteRegionProgram(StructureKeys* keys, const std::shared_ptr<CompiledRegion>& region) {
+    if (keys && keys->compiled == 1) keys->first_region = region;
     if (CurrentMode() != EagerMode::kFused || deferred_) return;
     WantRecordedPrefixes();
   }
